@@ -1,0 +1,138 @@
+"""Command line of scripts/train.py and scripts/evaluate.py."""
+
+import argparse
+import os
+import sys
+
+from kdist import startup
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _add_common(parser):
+    parser.add_argument("--checkpoint-dir", default="./training_checkpoints",
+                        help="folder for checkpoints (default: %(default)s)")
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with the four Fashion-MNIST IDX .gz files (default: "
+                             "the Keras cache, then /usr/share/datasets/fashion-mnist, "
+                             "then download)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="use generated data of Fashion-MNIST's shapes instead of "
+                             "the data set (smoke runs)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show TensorFlow/JAX start-up logs")
+
+
+def train_parser():
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train the tutorial CNN on Fashion-MNIST, data-parallel, on the backend "
+                    "chosen by KERAS_BACKEND (tensorflow or jax); then restore the latest "
+                    "checkpoint without distribution and evaluate it.")
+    parser.add_argument("--epochs", type=_positive(int), default=10,
+                        help="training epochs (default: %(default)s)")
+    parser.add_argument("--batch-size-per-replica", type=_positive(int), default=64,
+                        help="examples per replica per step; the global batch is this "
+                             "times the replica count (default: %(default)s)")
+    parser.add_argument("--learning-rate", type=_positive(float), default=1e-3,
+                        help="Adam learning rate (default: %(default)s)")
+    parser.add_argument("--replicas", type=_positive(int), default=None,
+                        help="data-parallel replicas (default: every visible device; on a "
+                             "CPU-only machine N splits the CPU into N devices)")
+    parser.add_argument("--checkpoint-every", type=_positive(int), default=2,
+                        help="checkpoint every N epochs, and always after the last "
+                             "(default: %(default)s)")
+    parser.add_argument("--keep", type=_positive(int), default=3,
+                        help="checkpoints to keep (default: %(default)s)")
+    parser.add_argument("--no-resume", dest="resume", action="store_false",
+                        help="start over even if --checkpoint-dir holds a checkpoint "
+                             "(default: resume from the newest one)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed for weights and data order (default: %(default)s)")
+    parser.add_argument("--steps-per-epoch", type=_positive(int), default=None,
+                        help="train on only the first N global batches of each epoch "
+                             "(default: the whole epoch)")
+    parser.add_argument("--metrics-file", default=None,
+                        help="append one JSON object per epoch (and one for the restored "
+                             "model) to this file")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar (it is also off when stdout is not a terminal)")
+    _add_common(parser)
+    return parser
+
+
+def load_data(args):
+    from kdist import data
+
+    if args.synthetic:
+        return data.synthetic_fashion_mnist(seed=0)
+    return data.load_fashion_mnist(args.data_dir)
+
+
+def _fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def main(argv=None):
+    parser = train_parser()
+    args = parser.parse_args(argv)
+    try:
+        startup.prepare_environment(args.replicas, args.verbose)
+    except ValueError as e:
+        parser.error(str(e))
+    from kdist import checkpoints, data, training
+
+    config = training.TrainConfig(
+        epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
+        learning_rate=args.learning_rate, replicas=args.replicas,
+        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+        keep=args.keep, resume=args.resume, seed=args.seed,
+        steps_per_epoch=args.steps_per_epoch, metrics_file=args.metrics_file,
+        progress=sys.stdout.isatty() and not args.quiet)
+    try:
+        dataset = load_data(args)
+        training.train_and_evaluate(config, dataset)
+    except (data.DataError, checkpoints.CheckpointError, training.TrainingError,
+            ValueError) as e:
+        return _fail(e)
+    return 0
+
+
+def evaluate_main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="evaluate.py",
+        description="Restore the newest checkpoint of --checkpoint-dir into a fresh model "
+                    "with no distribution, on the backend chosen by KERAS_BACKEND, and "
+                    "print its test accuracy.")
+    _add_common(parser)
+    args = parser.parse_args(argv)
+    try:
+        startup.prepare_environment(None, args.verbose)
+    except ValueError as e:
+        parser.error(str(e))
+    from kdist import checkpoints, data, training
+
+    try:
+        latest = checkpoints.CheckpointManager(args.checkpoint_dir).latest()
+        if latest is None:
+            return _fail(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
+                         "train first or pass --checkpoint-dir")
+        result = training.evaluate_checkpoint(latest[0], load_data(args))
+    except (data.DataError, checkpoints.CheckpointError) as e:
+        return _fail(e)
+    print(f"{latest[0]}: test loss {result['test_loss']:.4f}, "
+          f"test accuracy {result['test_accuracy']:.2f}%")
+    return 0

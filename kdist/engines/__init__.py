@@ -1,0 +1,23 @@
+"""One small module per backend behind one narrow interface.
+
+An engine has `num_replicas`, `devices`, `scope()`, `prepare(model,
+optimizer, global_batch_size, loss_fn)`, `distribute(numpy_batch)`,
+`train_step(batch)`, `eval_step(batch)` and `sync_to_model()`. Steps return
+the dict of `kdist.losses.batch_statistics`, summed over replicas.
+"""
+
+import importlib
+
+import keras
+
+BACKENDS = ("tensorflow", "jax")
+
+
+def create_engine(replicas=None, distributed=True):
+    """The engine of the active Keras backend (`KERAS_BACKEND`)."""
+    backend = keras.backend.backend()
+    if backend not in BACKENDS:
+        raise ValueError(f"KERAS_BACKEND={backend} is not supported; "
+                         f"use one of {', '.join(BACKENDS)}")
+    module = importlib.import_module(f"kdist.engines.{backend}")
+    return module.Engine(replicas=replicas, distributed=distributed)

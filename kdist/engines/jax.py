@@ -1,0 +1,129 @@
+"""JAX engine: `keras.distribution.DataParallel` over a device mesh (or none)."""
+
+import contextlib
+
+import jax
+import keras
+
+from kdist import losses
+
+
+def _replica_devices(replicas):
+    devices = keras.distribution.list_devices()
+    if replicas is None:
+        return devices
+    if replicas > len(devices):
+        raise ValueError(
+            f"--replicas {replicas} but JAX sees {len(devices)} devices; on a CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before jax "
+            "is imported (scripts/train.py does this for you)")
+    return devices[:replicas]
+
+
+class Engine:
+    """Runs kdist's steps as jitted stateless functions over sharded batches.
+
+    Variables are replicated on every device; each batch is sharded along
+    its first axis (`P('batch')`), so every device computes on its slice and
+    XLA all-reduces the gradients.
+
+    Args:
+        replicas: device count (None: every visible device).
+        distributed: False sets no distribution and runs on one device, as
+            for evaluating a restored model.
+    """
+
+    backend = "jax"
+
+    def __init__(self, replicas=None, distributed=True):
+        if distributed:
+            self.distribution = keras.distribution.DataParallel(
+                devices=_replica_devices(replicas))
+            self.num_replicas = self.distribution.num_model_replicas
+        else:
+            self.distribution = None
+            self.num_replicas = 1
+        # Set before any Keras object exists, so variables are laid out on the mesh.
+        keras.distribution.set_distribution(self.distribution)
+        self.devices = ([str(d) for d in self.distribution.device_mesh.devices.flat]
+                        if self.distribution else [str(jax.devices()[0])])
+
+    def scope(self):
+        """Context in which the model, optimizer and variables must be created."""
+        return self.distribution.scope() if self.distribution else contextlib.nullcontext()
+
+    def prepare(self, model, optimizer, global_batch_size, loss_fn):
+        """Takes the model's state as arrays and jits the two step functions."""
+        self.model, self.optimizer = model, optimizer
+        if optimizer is not None:
+            optimizer.build(model.trainable_variables)
+        self._read_state()
+
+        def compute(trainable, non_trainable, batch, training):
+            updated = []
+
+            def model_call(images, training):
+                logits, new_non_trainable = model.stateless_call(
+                    trainable, non_trainable, images, training=training)
+                updated.append(new_non_trainable)
+                return logits
+
+            loss, stats = losses.forward(model_call, batch, global_batch_size, loss_fn, training)
+            return loss, (stats, updated[0])
+
+        def train_step(state, batch):
+            trainable, non_trainable, opt_vars = state
+            grad_fn = jax.value_and_grad(compute, has_aux=True)
+            (_, (stats, non_trainable)), grads = grad_fn(trainable, non_trainable, batch, True)
+            trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+            return (trainable, non_trainable, opt_vars), stats
+
+        def eval_step(state, batch):
+            trainable, non_trainable, _ = state
+            _, (stats, _) = compute(trainable, non_trainable, batch, False)
+            return stats
+
+        self._train_step = jax.jit(train_step, donate_argnums=0)
+        self._eval_step = jax.jit(eval_step)
+
+    def _read_state(self):
+        opt_vars = self.optimizer.variables if self.optimizer is not None else []
+        self.state = tuple([v.value for v in vs] for vs in (
+            self.model.trainable_variables, self.model.non_trainable_variables, opt_vars))
+
+    def distribute(self, batch):
+        """Shards one global numpy batch along axis 0 over the mesh.
+
+        `make_array_from_process_local_data` takes this process's part of the
+        global batch, so the same call serves one or many processes.
+        """
+        if self.distribution is None:
+            return tuple(jax.numpy.asarray(a) for a in batch)
+        return tuple(
+            jax.make_array_from_process_local_data(
+                self.distribution.get_data_layout(a.shape).backend_layout, a)
+            for a in batch)
+
+    def train_step(self, batch):
+        """One optimizer step; blocks until done.
+
+        Blocking on every step's result keeps one multi-device all-reduce in
+        flight at a time: on a CPU with forced host devices, letting steps
+        queue up can deadlock XLA's all-reduce rendezvous ("RendezvousKey ...
+        may be stuck").
+        """
+        self.state, stats = self._train_step(self.state, batch)
+        jax.block_until_ready(self.state)
+        return stats
+
+    def eval_step(self, batch):
+        return self._eval_step(self.state, batch)
+
+    def sync_to_model(self):
+        """Writes the functional state back into the Keras variables."""
+        opt_vars = self.optimizer.variables if self.optimizer is not None else []
+        variable_lists = (self.model.trainable_variables,
+                          self.model.non_trainable_variables, opt_vars)
+        for variables, values in zip(variable_lists, self.state):
+            for variable, value in zip(variables, values):
+                variable.assign(value)

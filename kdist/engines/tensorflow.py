@@ -1,0 +1,117 @@
+"""TensorFlow engine: `tf.distribute.MirroredStrategy` (or no strategy)."""
+
+import tensorflow as tf
+
+from kdist import losses
+
+
+def _replica_devices(replicas):
+    """Device names for `replicas` replicas; splits the CPU when there is no GPU.
+
+    The CPU split into logical devices must happen before TensorFlow's runtime
+    starts, so engines are created before any tensor exists.
+    """
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        if replicas is not None and replicas > len(gpus):
+            raise ValueError(f"--replicas {replicas} but only {len(gpus)} GPUs are "
+                             f"visible; pass --replicas {len(gpus)} or fewer")
+        return [f"/gpu:{i}" for i in range(replicas or len(gpus))]
+    if replicas is None:
+        replicas = 1
+    if replicas > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
+        except RuntimeError:
+            pass  # Runtime already started: use the logical devices it has.
+    cpus = tf.config.list_logical_devices("CPU")
+    if replicas > len(cpus):
+        raise ValueError(f"--replicas {replicas} but TensorFlow already started with "
+                         f"{len(cpus)} CPU devices; create the engine before any "
+                         "TensorFlow op runs")
+    return [d.name for d in cpus[:replicas]]
+
+
+class Engine:
+    """Runs kdist's steps under a MirroredStrategy.
+
+    Args:
+        replicas: replica count (None: every GPU, or one CPU).
+        distributed: False runs under TF's default strategy (no distribution),
+            as for evaluating a restored model.
+    """
+
+    backend = "tensorflow"
+
+    def __init__(self, replicas=None, distributed=True):
+        if distributed:
+            devices = _replica_devices(replicas)
+            self.strategy = tf.distribute.MirroredStrategy(devices)
+            self.devices = list(self.strategy.extended.worker_devices)
+        else:
+            self.strategy = tf.distribute.get_strategy()
+            self.devices = ["default"]
+        self.num_replicas = self.strategy.num_replicas_in_sync
+
+    def scope(self):
+        """Context in which the model, optimizer and variables must be created."""
+        return self.strategy.scope()
+
+    def prepare(self, model, optimizer, global_batch_size, loss_fn):
+        """Builds the optimizer in scope and traces the two step functions."""
+        self.model, self.optimizer = model, optimizer
+        if optimizer is not None:
+            with self.scope():
+                optimizer.build(model.trainable_variables)
+
+        def model_call(images, training):
+            return model(images, training=training)
+
+        def replica_train_step(images, labels, weights):
+            with tf.GradientTape() as tape:
+                loss, stats = losses.forward(
+                    model_call, (images, labels, weights), global_batch_size, loss_fn, True)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # All-reduces (SUM).
+            return stats
+
+        def replica_eval_step(images, labels, weights):
+            _, stats = losses.forward(
+                model_call, (images, labels, weights), global_batch_size, loss_fn, False)
+            return stats
+
+        self._train_step = self._distributed(replica_train_step)
+        self._eval_step = self._distributed(replica_eval_step)
+
+    def _distributed(self, replica_fn):
+        strategy = self.strategy
+
+        @tf.function
+        def step(batch):
+            stats = strategy.run(replica_fn, args=batch)
+            return {k: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
+                    for k, v in stats.items()}
+
+        return step
+
+    def distribute(self, batch):
+        """Places one global numpy batch on the replicas, split along axis 0."""
+        per_replica = len(batch[0]) // self.num_replicas
+
+        def value_fn(ctx):
+            i = ctx.replica_id_in_sync_group
+            return tuple(tf.constant(a[i * per_replica:(i + 1) * per_replica]) for a in batch)
+
+        return self.strategy.experimental_distribute_values_from_function(value_fn)
+
+    def train_step(self, batch):
+        """One optimizer step on a distributed batch; returns summed statistics."""
+        return self._train_step(batch)
+
+    def eval_step(self, batch):
+        return self._eval_step(batch)
+
+    def sync_to_model(self):
+        """Variables are updated in place on TF: nothing to write back."""

@@ -1,0 +1,49 @@
+"""The tutorial's CNN, written once for every backend."""
+
+import keras
+from keras import ops
+
+
+class MaxPooling2D(keras.layers.MaxPooling2D):
+    """`keras.layers.MaxPooling2D` whose 2x2/stride-2 case is fast on JAX.
+
+    XLA:CPU compiles the gradient of `reduce_window` max pooling into a slow
+    select-and-scatter (about two thirds of a train step here). Taking the max
+    of a (B, H/2, 2, W/2, 2, C) reshape gives the same outputs and gradients
+    through plain element-wise selects, 3x faster end to end on JAX CPU. On
+    TensorFlow the native pooling kernel is faster, so it is kept there.
+
+    The class keeps Keras' name on purpose: weight files index layers by
+    class name, so checkpoints stay loadable into a stock Keras model.
+    """
+
+    def call(self, inputs):
+        if (keras.backend.backend() != "jax" or self.pool_size != (2, 2)
+                or self.strides != (2, 2) or self.padding != "valid"
+                or self.data_format != "channels_last"):
+            return super().call(inputs)
+        batch, height, width, channels = inputs.shape
+        h, w = height // 2, width // 2
+        x = inputs[:, :2 * h, :2 * w, :]  # "valid" drops an odd last row/column.
+        x = ops.reshape(x, (-1, h, 2, w, 2, channels))
+        return ops.max(x, axis=(2, 4))
+
+
+def create_model(num_classes=10):
+    """Conv2D(32,3,relu)-MaxPool-Conv2D(64,3,relu)-MaxPool-Flatten-Dense(64,relu)-Dense(10).
+
+    The last layer returns logits; the loss applies the softmax.
+    """
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            MaxPooling2D(),
+            keras.layers.Conv2D(64, 3, activation="relu"),
+            MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(num_classes),
+        ],
+        name="fashion_cnn",
+    )

@@ -1,0 +1,197 @@
+"""The training loop, written once for every backend.
+
+`train_and_evaluate` runs the tutorial's job: epochs of distributed train
+steps, a full test-set evaluation after each, checkpoints, then the latest
+checkpoint restored into a fresh model with no distribution and evaluated.
+The engine (`kdist.engines`) is the only backend-specific piece.
+"""
+
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import keras
+import numpy as np
+
+from kdist import checkpoints, data, engines, losses
+from kdist.model import create_model
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything that shapes a run; the CLI flags map onto these fields."""
+
+    epochs: int = 10
+    batch_size_per_replica: int = 64
+    learning_rate: float = 1e-3
+    replicas: int | None = None  # None: every visible device.
+    checkpoint_dir: str = "./training_checkpoints"
+    checkpoint_every: int = 2
+    keep: int = 3
+    resume: bool = True
+    seed: int = 0
+    steps_per_epoch: int | None = None  # None: the whole epoch.
+    metrics_file: str | None = None
+    progress: bool = False
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a non-finite loss)."""
+
+
+def adam(learning_rate):
+    return keras.optimizers.Adam(learning_rate)
+
+
+def build(engine, model_fn, optimizer_fn, learning_rate):
+    """Creates model and optimizer in the engine's scope, compiled so that
+    `save_weights` also writes the optimizer state."""
+    with engine.scope():
+        model = model_fn()
+        optimizer = optimizer_fn(learning_rate) if optimizer_fn else None
+        if optimizer is not None:
+            model.compile(optimizer=optimizer)
+    return model, optimizer
+
+
+def summarize(totals):
+    """Mean loss and accuracy (percent) from summed batch statistics."""
+    count = totals["count"]
+    return totals["loss_sum"] / count, 100.0 * totals["correct"] / count
+
+
+def run_steps(engine, step_fn, batches, on_step=None):
+    """Runs `step_fn` over numpy batches and returns the summed statistics."""
+    totals = dict(loss_sum=0.0, correct=0.0, count=0.0)
+    for i, batch in enumerate(batches):
+        stats = step_fn(engine.distribute(batch))
+        for key in totals:
+            totals[key] += float(stats[key])
+        if on_step is not None:
+            on_step(i, stats, totals)
+    return totals
+
+
+def evaluate(engine, images, labels, global_batch_size):
+    """(loss, accuracy %) over every example of (images, labels)."""
+    totals = run_steps(engine, engine.eval_step,
+                       data.eval_batches(images, labels, global_batch_size))
+    return summarize(totals)
+
+
+def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam,
+                       loss_fn=losses.sparse_categorical_crossentropy, log=print):
+    """Trains data-parallel, checkpoints, restores without distribution, evaluates.
+
+    Returns a dict with `history` (one record per epoch) and `restored`
+    (the evaluation of the latest checkpoint in a fresh, undistributed model).
+    """
+    engine = engines.create_engine(config.replicas)
+    global_batch = config.batch_size_per_replica * engine.num_replicas
+    steps = data.steps_per_epoch(len(dataset.train_images), global_batch, config.steps_per_epoch)
+    if steps == 0:
+        raise ValueError(f"{len(dataset.train_images)} training examples make no full "
+                         f"global batch of {global_batch}; lower --batch-size-per-replica")
+    manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
+    manager.prepare()
+
+    keras.utils.set_random_seed(config.seed)
+    model, optimizer = build(engine, model_fn, optimizer_fn, config.learning_rate)
+    history, start_epoch = _maybe_resume(config, manager, model, log)
+    engine.prepare(model, optimizer, global_batch, loss_fn)
+
+    log(f"Training on {engine.backend} with {engine.num_replicas} replica(s) "
+        f"{engine.devices}: global batch {global_batch}, {steps} steps per epoch, "
+        f"data {dataset.source}")
+    for epoch in range(start_epoch, config.epochs):
+        record = _train_one_epoch(engine, config, dataset, epoch, global_batch, steps)
+        history.append(record)
+        log(format_epoch(record, config.epochs))
+        _append_metrics(config.metrics_file, record)
+        if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs:
+            engine.sync_to_model()
+            path = manager.save(model, step=(epoch + 1) * steps, metadata=dict(
+                epoch=epoch + 1, seed=config.seed, backend=engine.backend,
+                replicas=engine.num_replicas, global_batch_size=global_batch,
+                history=history))
+            log(f"Saved checkpoint {path}")
+
+    latest = manager.latest()
+    if latest is None:
+        return {"history": history, "restored": None}
+    restored = evaluate_checkpoint(latest[0], dataset, model_fn, loss_fn, global_batch)
+    log(f"Accuracy after restoring {latest[0]} without distribution: "
+        f"{restored['test_accuracy']:.2f}%")
+    _append_metrics(config.metrics_file, restored)
+    return {"history": history, "restored": restored}
+
+
+def _maybe_resume(config, manager, model, log):
+    """Restores the newest checkpoint unless told not to; returns (history, epoch)."""
+    latest = manager.latest() if config.resume else None
+    if not config.resume and manager.paths():
+        log(f"--no-resume: starting over; the checkpoints in {config.checkpoint_dir} "
+            "will be replaced by this run's")
+    if latest is None:
+        return [], 0
+    path, meta = latest
+    checkpoints.restore(model, path, meta)
+    if model.optimizer is not None:
+        model.optimizer.learning_rate.assign(config.learning_rate)
+    log(f"Resumed from {path} (epoch {meta['epoch']}, written by {meta['backend']} "
+        f"with {meta['replicas']} replica(s))")
+    return list(meta["history"]), meta["epoch"]
+
+
+def _train_one_epoch(engine, config, dataset, epoch, global_batch, steps):
+    start = time.perf_counter()
+    progbar = keras.utils.Progbar(steps, stateful_metrics=["loss", "accuracy"]) \
+        if config.progress else None
+
+    def on_step(step, stats, totals):
+        if not math.isfinite(float(stats["loss_sum"])):
+            raise TrainingError(
+                f"non-finite loss at epoch {epoch + 1}, step {step + 1}; stopping. "
+                "Checkpoints written before stay valid; try a lower --learning-rate")
+        if progbar is not None:
+            loss, accuracy = summarize(totals)
+            progbar.update(step + 1, [("loss", loss), ("accuracy", accuracy)])
+
+    batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
+                                 seed=config.seed, epoch=epoch, steps=steps)
+    train_loss, train_accuracy = summarize(
+        run_steps(engine, engine.train_step, batches, on_step))
+    seconds = time.perf_counter() - start
+    test_loss, test_accuracy = evaluate(
+        engine, dataset.test_images, dataset.test_labels, global_batch)
+    return dict(epoch=epoch + 1, train_loss=train_loss, train_accuracy=train_accuracy,
+                test_loss=test_loss, test_accuracy=test_accuracy, seconds=seconds,
+                samples_per_sec=steps * global_batch / seconds)
+
+
+def evaluate_checkpoint(path, dataset, model_fn=create_model,
+                        loss_fn=losses.sparse_categorical_crossentropy, batch_size=64):
+    """Restores `path` into a fresh model with no distribution and evaluates it."""
+    engine = engines.create_engine(distributed=False)
+    model, _ = build(engine, model_fn, None, None)
+    checkpoints.restore(model, path)
+    engine.prepare(model, None, batch_size, loss_fn)
+    test_loss, test_accuracy = evaluate(
+        engine, dataset.test_images, dataset.test_labels, batch_size)
+    return dict(restored=True, checkpoint=path, test_loss=test_loss,
+                test_accuracy=test_accuracy)
+
+
+def format_epoch(record, epochs):
+    return (f"Epoch {record['epoch']}/{epochs}, Loss: {record['train_loss']:.4f}, "
+            f"Accuracy: {record['train_accuracy']:.2f}%, Test Loss: {record['test_loss']:.4f}, "
+            f"Test Accuracy: {record['test_accuracy']:.2f}% "
+            f"({record['seconds']:.1f} s, {record['samples_per_sec']:,.0f} samples/s)")
+
+
+def _append_metrics(path, record):
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
