@@ -5,28 +5,32 @@ import tensorflow as tf
 from kdist import losses
 
 
-def _replica_devices(replicas):
-    """Device names for `replicas` replicas; splits the CPU when there is no GPU.
+def split_cpu(count):
+    """Splits the CPU into `count` logical devices, if TF has not started yet.
 
-    The CPU split into logical devices must happen before TensorFlow's runtime
-    starts, so engines are created before any tensor exists.
+    The split must precede TensorFlow's first op, which is why engines are
+    created before any tensor exists. Returns the logical CPU devices.
     """
+    if count > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        except RuntimeError:
+            pass  # Runtime already started: use the logical devices it has.
+    return tf.config.list_logical_devices("CPU")
+
+
+def _replica_devices(replicas):
+    """Device names for `replicas` replicas: GPUs if any, else a split CPU."""
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         if replicas is not None and replicas > len(gpus):
             raise ValueError(f"--replicas {replicas} but only {len(gpus)} GPUs are "
                              f"visible; pass --replicas {len(gpus)} or fewer")
         return [f"/gpu:{i}" for i in range(replicas or len(gpus))]
-    if replicas is None:
-        replicas = 1
-    if replicas > 1:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        try:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
-        except RuntimeError:
-            pass  # Runtime already started: use the logical devices it has.
-    cpus = tf.config.list_logical_devices("CPU")
+    replicas = replicas or 1
+    cpus = split_cpu(replicas)
     if replicas > len(cpus):
         raise ValueError(f"--replicas {replicas} but TensorFlow already started with "
                          f"{len(cpus)} CPU devices; create the engine before any "
@@ -48,11 +52,16 @@ class Engine:
     def __init__(self, replicas=None, distributed=True):
         if distributed:
             devices = _replica_devices(replicas)
-            self.strategy = tf.distribute.MirroredStrategy(devices)
+            # On CPUs, reduce on one device: TF's default collectives key their
+            # groups per strategy, and a second strategy in the same process
+            # with another device count then aborts ("joining a group with size").
+            on_cpu = not tf.config.list_physical_devices("GPU")
+            self.strategy = tf.distribute.MirroredStrategy(
+                devices, cross_device_ops=tf.distribute.ReductionToOneDevice() if on_cpu else None)
             self.devices = list(self.strategy.extended.worker_devices)
         else:
             self.strategy = tf.distribute.get_strategy()
-            self.devices = ["default"]
+            self.devices = [None]  # No placement: TF's default device.
         self.num_replicas = self.strategy.num_replicas_in_sync
 
     def scope(self):
@@ -102,7 +111,9 @@ class Engine:
 
         def value_fn(ctx):
             i = ctx.replica_id_in_sync_group
-            return tuple(tf.constant(a[i * per_replica:(i + 1) * per_replica]) for a in batch)
+            with tf.device(self.devices[i]):
+                return tuple(tf.constant(a[i * per_replica:(i + 1) * per_replica])
+                             for a in batch)
 
         return self.strategy.experimental_distribute_values_from_function(value_fn)
 

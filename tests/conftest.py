@@ -1,0 +1,45 @@
+"""Test start-up: four CPU devices on either backend, set before Keras loads.
+
+nox sets KERAS_BACKEND per session. XLA_FLAGS must be set before JAX starts
+and TF's CPU split must precede its first op, so both happen here, at import.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from kdist import startup  # noqa: E402  (imports no framework)
+
+NUM_DEVICES = 4
+startup.prepare_environment()
+startup.set_host_device_count(NUM_DEVICES)
+
+import keras  # noqa: E402
+
+if keras.backend.backend() == "tensorflow":
+    from kdist.engines import tensorflow as tf_engine
+
+    tf_engine.split_cpu(NUM_DEVICES)
+
+from kdist import data  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def small_dataset():
+    """Synthetic Fashion-MNIST-shaped data: 512 train, 1,001 test images."""
+    return data.synthetic_fashion_mnist(num_train=512, num_test=1001, seed=3)
+
+
+@pytest.fixture
+def batch():
+    """One global batch of 32 examples with varied weights-free labels."""
+    rng = np.random.default_rng(0)
+    images = rng.uniform(0, 1, (32, 28, 28, 1)).astype(np.float32)
+    labels = rng.integers(0, 10, 32).astype(np.int32)
+    return images, labels, np.ones(32, np.float32)

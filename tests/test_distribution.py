@@ -1,0 +1,105 @@
+"""The distribution math: N replicas == 1 replica, sharded inputs, exact eval."""
+
+import keras
+import numpy as np
+import pytest
+
+from kdist import data, engines, losses, training
+from kdist.model import create_model
+
+
+def sgd(learning_rate):
+    # Plain SGD: Adam normalises the step and would hide a wrongly scaled gradient.
+    return keras.optimizers.SGD(learning_rate)
+
+
+def weights_after_one_step(batch, replicas, distributed=True):
+    engine = engines.create_engine(replicas, distributed=distributed)
+    keras.utils.set_random_seed(7)
+    model, optimizer = training.build(engine, create_model, sgd, 0.5)
+    before = [np.array(w) for w in model.get_weights()]
+    engine.prepare(model, optimizer, len(batch[0]), losses.sparse_categorical_crossentropy)
+    stats = engine.train_step(engine.distribute(batch))
+    engine.sync_to_model()
+    return before, [np.array(w) for w in model.get_weights()], stats
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_n_replicas_match_one_replica_after_a_step(batch, replicas):
+    before, single, single_stats = weights_after_one_step(batch, 1, distributed=False)
+    _, multi, multi_stats = weights_after_one_step(batch, replicas)
+    # The step must move the weights far more than the tolerance, or the check is empty.
+    assert max(np.abs(a - b).max() for a, b in zip(single, before)) > 1e-3
+    for one, many in zip(single, multi):
+        np.testing.assert_allclose(many, one, atol=1e-5, rtol=0)
+    assert float(multi_stats["count"]) == float(single_stats["count"]) == 32.0
+    assert np.isclose(float(multi_stats["loss_sum"]), float(single_stats["loss_sum"]), rtol=1e-5)
+
+
+def test_one_mirrored_replica_matches_no_distribution(batch):
+    _, plain, _ = weights_after_one_step(batch, 1, distributed=False)
+    _, mirrored, _ = weights_after_one_step(batch, 1)
+    for a, b in zip(plain, mirrored):
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_a_doubled_loss_scale_would_be_caught(batch):
+    # Guards the test above: scaling by half the global batch moves SGD weights
+    # by far more than its tolerance.
+    _, reference, _ = weights_after_one_step(batch, 1, distributed=False)
+    doubled = (batch[0], batch[1], batch[2] * 2.0)
+    _, wrong, _ = weights_after_one_step(doubled, 1, distributed=False)
+    assert max(np.abs(a - b).max() for a, b in zip(reference, wrong)) > 1e-3
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_batches_are_split_across_replicas(batch, replicas):
+    engine = engines.create_engine(replicas)
+    distributed = engine.distribute(batch)
+    if engine.backend == "jax":
+        images = distributed[0]
+        assert tuple(images.sharding.spec) == ("batch", None, None, None)
+        shards = images.addressable_shards
+        assert len({s.device for s in shards}) == replicas
+        assert [s.data.shape[0] for s in shards] == [32 // replicas] * replicas
+        np.testing.assert_array_equal(np.asarray(images), batch[0])
+    else:
+        parts = distributed[0].values
+        assert len({p.device for p in parts}) == replicas
+        assert [p.shape[0] for p in parts] == [32 // replicas] * replicas
+        np.testing.assert_array_equal(np.concatenate([p.numpy() for p in parts]), batch[0])
+
+
+def test_variables_are_replicated_on_every_device():
+    engine = engines.create_engine(4)
+    model, _ = training.build(engine, create_model, None, None)
+    for variable in model.weights:
+        if engine.backend == "jax":
+            sharding = variable.value.sharding
+            assert sharding.is_fully_replicated
+            assert len(sharding.device_set) == 4
+        else:
+            copies = variable.value.values  # A MirroredVariable: one copy per device.
+            assert len({c.device for c in copies}) == 4
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_evaluation_counts_every_example_once(small_dataset, replicas):
+    engine = engines.create_engine(replicas)
+    keras.utils.set_random_seed(1)
+    model, _ = training.build(engine, create_model, None, None)
+    global_batch = 16 * replicas  # 1,001 is a multiple of none of 16, 32, 64.
+    engine.prepare(model, None, global_batch, losses.sparse_categorical_crossentropy)
+    images, labels = small_dataset.test_images, small_dataset.test_labels
+    totals = training.run_steps(engine, engine.eval_step,
+                                data.eval_batches(images, labels, global_batch))
+    logits = np.asarray(model(images, training=False))
+    assert totals["count"] == 1001
+    assert totals["correct"] == float((logits.argmax(-1) == labels).sum())
+    expected = np.asarray(losses.sparse_categorical_crossentropy(labels, logits)).sum()
+    assert np.isclose(totals["loss_sum"], expected, rtol=1e-5)
+
+
+def test_replica_count_beyond_devices_is_a_clear_error():
+    with pytest.raises(ValueError, match="--replicas 64"):
+        engines.create_engine(64)
