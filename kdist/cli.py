@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import signal
 import sys
 
 from kdist import startup
@@ -86,14 +87,21 @@ def _fail(message):
     return 1
 
 
+def _start(parser, args, replicas=None):
+    """Sets devices and log levels, then imports the frameworks (quietly)."""
+    try:
+        startup.prepare_environment(replicas, args.verbose)
+    except ValueError as e:
+        parser.error(str(e))
+    with startup.native_logs_silenced(not args.verbose):
+        import keras  # noqa: F401  (loads the backend now, with its notices hidden)
+
+
 def main(argv=None):
     parser = train_parser()
     args = parser.parse_args(argv)
-    try:
-        startup.prepare_environment(args.replicas, args.verbose)
-    except ValueError as e:
-        parser.error(str(e))
-    from kdist import checkpoints, data, training
+    _start(parser, args, args.replicas)
+    from kdist import checkpoints, data, interrupt, training
 
     config = training.TrainConfig(
         epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
@@ -102,9 +110,14 @@ def main(argv=None):
         keep=args.keep, resume=args.resume, seed=args.seed,
         steps_per_epoch=args.steps_per_epoch, metrics_file=args.metrics_file,
         progress=sys.stdout.isatty() and not args.quiet)
+    stop = interrupt.StopRequest()
     try:
         dataset = load_data(args)
-        training.train_and_evaluate(config, dataset)
+        with interrupt.stop_on_signals(stop):
+            training.train_and_evaluate(config, dataset, stop=stop)
+    except training.Interrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 128 + getattr(signal, stop.signal_name)
     except (data.DataError, checkpoints.CheckpointError, training.TrainingError,
             ValueError) as e:
         return _fail(e)
@@ -119,10 +132,7 @@ def evaluate_main(argv=None):
                     "print its test accuracy.")
     _add_common(parser)
     args = parser.parse_args(argv)
-    try:
-        startup.prepare_environment(None, args.verbose)
-    except ValueError as e:
-        parser.error(str(e))
+    _start(parser, args)
     from kdist import checkpoints, data, training
 
     try:

@@ -6,8 +6,10 @@ backend starts, and TensorFlow's logical CPU split (done by the TF engine) must
 precede its first op. So `prepare_environment` runs first thing.
 """
 
+import contextlib
 import os
 import re
+import sys
 
 SUPPORTED_BACKENDS = ("tensorflow", "jax")
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
@@ -38,3 +40,25 @@ def set_host_device_count(count):
     """Asks XLA for `count` CPU devices (a no-op for GPUs), keeping other flags."""
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_COUNT_FLAG}={count}"])
+
+
+@contextlib.contextmanager
+def native_logs_silenced(enabled=True):
+    """Hides what native code prints to stderr while the frameworks load.
+
+    TensorFlow's C++ start-up notices (oneDNN, absl) ignore
+    TF_CPP_MIN_LOG_LEVEL and go straight to file descriptor 2. Python
+    exceptions are unaffected: they are printed after the block.
+    """
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)

@@ -9,11 +9,9 @@ The engine (`kdist.engines`) is the only backend-specific piece.
 import dataclasses
 import json
 import math
-import sys
 import time
 
 import keras
-import numpy as np
 
 from kdist import checkpoints, data, engines, losses
 from kdist.model import create_model
@@ -46,12 +44,18 @@ def adam(learning_rate):
 
 
 def build(engine, model_fn, optimizer_fn, learning_rate):
-    """Creates model and optimizer in the engine's scope, compiled so that
-    `save_weights` also writes the optimizer state."""
+    """Creates model and optimizer in the engine's scope.
+
+    The optimizer is built eagerly in scope (on TF, building it later inside a
+    replica function fails with 2+ replicas, keras#23085) and compiled into
+    the model, so that `save_weights` writes and `load_weights` restores its
+    state (iteration count, moments) with the weights.
+    """
     with engine.scope():
         model = model_fn()
         optimizer = optimizer_fn(learning_rate) if optimizer_fn else None
         if optimizer is not None:
+            optimizer.build(model.trainable_variables)
             model.compile(optimizer=optimizer)
     return model, optimizer
 
@@ -62,31 +66,50 @@ def summarize(totals):
     return totals["loss_sum"] / count, 100.0 * totals["correct"] / count
 
 
-def run_steps(engine, step_fn, batches, on_step=None):
-    """Runs `step_fn` over numpy batches and returns the summed statistics."""
-    totals = dict(loss_sum=0.0, correct=0.0, count=0.0)
-    for i, batch in enumerate(batches):
+def zero_totals():
+    return dict(loss_sum=0.0, correct=0.0, count=0.0)
+
+
+def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None):
+    """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
+
+    Stops early after the step during which `stop` became true. Returns
+    (totals, number of steps run).
+    """
+    totals = zero_totals() if totals is None else dict(totals)
+    done = 0
+    for batch in batches:
         stats = step_fn(engine.distribute(batch))
         for key in totals:
             totals[key] += float(stats[key])
+        done += 1
         if on_step is not None:
-            on_step(i, stats, totals)
-    return totals
+            on_step(done, stats, totals)
+        if stop:
+            break
+    return totals, done
 
 
 def evaluate(engine, images, labels, global_batch_size):
     """(loss, accuracy %) over every example of (images, labels)."""
-    totals = run_steps(engine, engine.eval_step,
-                       data.eval_batches(images, labels, global_batch_size))
+    totals, _ = run_steps(engine, engine.eval_step,
+                          data.eval_batches(images, labels, global_batch_size))
     return summarize(totals)
 
 
+class Interrupted(RuntimeError):
+    """Training stopped on a signal after writing a checkpoint."""
+
+
 def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam,
-                       loss_fn=losses.sparse_categorical_crossentropy, log=print):
+                       loss_fn=losses.sparse_categorical_crossentropy, log=print,
+                       stop=None):
     """Trains data-parallel, checkpoints, restores without distribution, evaluates.
 
-    Returns a dict with `history` (one record per epoch) and `restored`
-    (the evaluation of the latest checkpoint in a fresh, undistributed model).
+    `stop` (e.g. a `kdist.interrupt.StopRequest`) ends training at the next
+    step boundary with a checkpoint and an `Interrupted` error. Returns a dict
+    with `history` (one record per epoch) and `restored` (the evaluation of
+    the latest checkpoint in a fresh, undistributed model).
     """
     engine = engines.create_engine(config.replicas)
     global_batch = config.batch_size_per_replica * engine.num_replicas
@@ -99,24 +122,44 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
 
     keras.utils.set_random_seed(config.seed)
     model, optimizer = build(engine, model_fn, optimizer_fn, config.learning_rate)
-    history, start_epoch = _maybe_resume(config, manager, model, log)
+    position = _resume_position(config, manager, model, log)
     engine.prepare(model, optimizer, global_batch, loss_fn)
+
+    def save(epoch, step_in_epoch, totals, history):
+        engine.sync_to_model()
+        return manager.save(model, step=epoch * steps + step_in_epoch, metadata=dict(
+            epoch=epoch, step_in_epoch=step_in_epoch, totals=totals, history=history,
+            seed=config.seed, backend=engine.backend, replicas=engine.num_replicas,
+            global_batch_size=global_batch, steps_per_epoch=steps))
 
     log(f"Training on {engine.backend} with {engine.num_replicas} replica(s) "
         f"{engine.devices}: global batch {global_batch}, {steps} steps per epoch, "
         f"data {dataset.source}")
-    for epoch in range(start_epoch, config.epochs):
-        record = _train_one_epoch(engine, config, dataset, epoch, global_batch, steps)
+    history = position["history"]
+    for epoch in range(position["epoch"], config.epochs):
+        first_step = position["step_in_epoch"] if epoch == position["epoch"] else 0
+        totals = position["totals"] if epoch == position["epoch"] else None
+        start = time.perf_counter()
+        batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
+                                     seed=config.seed, epoch=epoch, steps=steps,
+                                     start_step=first_step)
+        totals, done = run_steps(engine, engine.train_step, batches, totals,
+                                 _step_callback(config, epoch, first_step, steps), stop)
+        if stop and first_step + done < steps:
+            path = save(epoch, first_step + done, totals, history)
+            raise Interrupted(f"{stop.signal_name}: stopped at epoch {epoch + 1}, step "
+                              f"{first_step + done}; saved {path}; run the same command "
+                              "to resume")
+        record = _epoch_record(engine, dataset, epoch, totals, global_batch,
+                               done, time.perf_counter() - start)
         history.append(record)
         log(format_epoch(record, config.epochs))
         _append_metrics(config.metrics_file, record)
-        if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs:
-            engine.sync_to_model()
-            path = manager.save(model, step=(epoch + 1) * steps, metadata=dict(
-                epoch=epoch + 1, seed=config.seed, backend=engine.backend,
-                replicas=engine.num_replicas, global_batch_size=global_batch,
-                history=history))
-            log(f"Saved checkpoint {path}")
+        if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stop:
+            log(f"Saved checkpoint {save(epoch + 1, 0, None, history)}")
+        if stop:
+            raise Interrupted(f"{stop.signal_name}: stopped after epoch {epoch + 1}; run the "
+                              "same command to resume")
 
     latest = manager.latest()
     if latest is None:
@@ -128,47 +171,51 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     return {"history": history, "restored": restored}
 
 
-def _maybe_resume(config, manager, model, log):
-    """Restores the newest checkpoint unless told not to; returns (history, epoch)."""
+def _resume_position(config, manager, model, log):
+    """Restores the newest checkpoint unless told not to; returns where to start."""
+    start = dict(epoch=0, step_in_epoch=0, totals=None, history=[])
     latest = manager.latest() if config.resume else None
     if not config.resume and manager.paths():
         log(f"--no-resume: starting over; the checkpoints in {config.checkpoint_dir} "
             "will be replaced by this run's")
     if latest is None:
-        return [], 0
+        return start
     path, meta = latest
     checkpoints.restore(model, path, meta)
     if model.optimizer is not None:
         model.optimizer.learning_rate.assign(config.learning_rate)
-    log(f"Resumed from {path} (epoch {meta['epoch']}, written by {meta['backend']} "
-        f"with {meta['replicas']} replica(s))")
-    return list(meta["history"]), meta["epoch"]
+    where = (f"epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}"
+             if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
+    log(f"Resumed from {path} ({where}; written by {meta['backend']} with "
+        f"{meta['replicas']} replica(s))")
+    return {key: meta[key] for key in start}
 
 
-def _train_one_epoch(engine, config, dataset, epoch, global_batch, steps):
-    start = time.perf_counter()
+def _step_callback(config, epoch, first_step, steps):
+    """Checks every step's loss and drives the progress bar."""
     progbar = keras.utils.Progbar(steps, stateful_metrics=["loss", "accuracy"]) \
         if config.progress else None
 
-    def on_step(step, stats, totals):
+    def on_step(done, stats, totals):
+        step = first_step + done
         if not math.isfinite(float(stats["loss_sum"])):
             raise TrainingError(
-                f"non-finite loss at epoch {epoch + 1}, step {step + 1}; stopping. "
+                f"non-finite loss at epoch {epoch + 1}, step {step}; stopping. "
                 "Checkpoints written before stay valid; try a lower --learning-rate")
         if progbar is not None:
             loss, accuracy = summarize(totals)
-            progbar.update(step + 1, [("loss", loss), ("accuracy", accuracy)])
+            progbar.update(step, [("loss", loss), ("accuracy", accuracy)])
 
-    batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
-                                 seed=config.seed, epoch=epoch, steps=steps)
-    train_loss, train_accuracy = summarize(
-        run_steps(engine, engine.train_step, batches, on_step))
-    seconds = time.perf_counter() - start
+    return on_step
+
+
+def _epoch_record(engine, dataset, epoch, totals, global_batch, steps_run, seconds):
+    train_loss, train_accuracy = summarize(totals)
     test_loss, test_accuracy = evaluate(
         engine, dataset.test_images, dataset.test_labels, global_batch)
     return dict(epoch=epoch + 1, train_loss=train_loss, train_accuracy=train_accuracy,
                 test_loss=test_loss, test_accuracy=test_accuracy, seconds=seconds,
-                samples_per_sec=steps * global_batch / seconds)
+                samples_per_sec=steps_run * global_batch / seconds)
 
 
 def evaluate_checkpoint(path, dataset, model_fn=create_model,

@@ -53,10 +53,9 @@ class Engine:
         return self.distribution.scope() if self.distribution else contextlib.nullcontext()
 
     def prepare(self, model, optimizer, global_batch_size, loss_fn):
-        """Takes the model's state as arrays and jits the two step functions."""
+        """Takes the model's state as arrays and jits the two step functions;
+        `optimizer` must already be built."""
         self.model, self.optimizer = model, optimizer
-        if optimizer is not None:
-            optimizer.build(model.trainable_variables)
         self._read_state()
 
         def compute(trainable, non_trainable, batch, training):

@@ -69,11 +69,8 @@ class Engine:
         return self.strategy.scope()
 
     def prepare(self, model, optimizer, global_batch_size, loss_fn):
-        """Builds the optimizer in scope and traces the two step functions."""
+        """Traces the two step functions; `optimizer` must already be built."""
         self.model, self.optimizer = model, optimizer
-        if optimizer is not None:
-            with self.scope():
-                optimizer.build(model.trainable_variables)
 
         def model_call(images, training):
             return model(images, training=training)

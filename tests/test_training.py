@@ -1,0 +1,88 @@
+"""The loop: resume equals an uninterrupted run, bad losses stop cleanly, runs repeat."""
+
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from kdist import checkpoints, losses, training
+
+TIMING = ("seconds", "samples_per_sec")
+
+
+def config(tmp_path, name, **overrides):
+    settings = dict(epochs=4, batch_size_per_replica=16, replicas=2, steps_per_epoch=6,
+                    checkpoint_every=1, checkpoint_dir=str(tmp_path / name), seed=5)
+    settings.update(overrides)
+    return training.TrainConfig(**settings)
+
+
+def run(cfg, dataset):
+    return training.train_and_evaluate(cfg, dataset, log=lambda line: None)
+
+
+def checkpoint_arrays(path):
+    arrays = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+    return arrays
+
+
+def without_timing(history):
+    return [{k: v for k, v in record.items() if k not in TIMING} for record in history]
+
+
+def test_resumed_run_matches_uninterrupted_run(tmp_path, small_dataset):
+    straight = run(config(tmp_path, "straight"), small_dataset)
+    run(config(tmp_path, "resumed", epochs=2), small_dataset)
+    resumed = run(config(tmp_path, "resumed"), small_dataset)
+
+    a = checkpoint_arrays(checkpoints.CheckpointManager(str(tmp_path / "straight")).latest()[0])
+    b = checkpoint_arrays(checkpoints.CheckpointManager(str(tmp_path / "resumed")).latest()[0])
+    assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a)
+    worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    assert worst <= 1e-6, f"resumed weights differ by {worst}"
+    assert without_timing(resumed["history"]) == without_timing(straight["history"])
+
+
+def test_restored_model_scores_the_last_epoch_accuracy(tmp_path, small_dataset):
+    result = run(config(tmp_path, "run", epochs=3, checkpoint_every=2), small_dataset)
+    assert [r["epoch"] for r in result["history"]] == [1, 2, 3]
+    assert result["restored"]["checkpoint"].endswith("ckpt-00000018.weights.h5")
+    assert result["restored"]["test_accuracy"] == result["history"][-1]["test_accuracy"]
+    assert result["history"][-1]["train_loss"] < result["history"][0]["train_loss"]
+
+
+def test_same_seed_gives_the_same_numbers(tmp_path, small_dataset):
+    first = run(config(tmp_path, "a", epochs=2), small_dataset)
+    second = run(config(tmp_path, "b", epochs=2), small_dataset)
+    assert without_timing(first["history"]) == without_timing(second["history"])
+
+
+def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path, small_dataset):
+    run(config(tmp_path, "run", epochs=2), small_dataset)
+    folder = tmp_path / "run"
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+
+    def exploding_loss(labels, logits):  # Inf from the first step of the resumed epoch 3.
+        return losses.sparse_categorical_crossentropy(labels, logits) / 0.0
+
+    with pytest.raises(training.TrainingError, match="epoch 3, step 1"):
+        training.train_and_evaluate(config(tmp_path, "run"), small_dataset,
+                                    loss_fn=exploding_loss, log=lambda line: None)
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+
+
+def test_metrics_file_has_one_line_per_epoch_and_the_restored_result(tmp_path, small_dataset):
+    import json
+
+    path = tmp_path / "metrics.jsonl"
+    result = run(config(tmp_path, "run", epochs=2, metrics_file=str(path)), small_dataset)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [line.get("epoch") for line in lines[:2]] == [1, 2]
+    assert set(lines[0]) == {"epoch", "train_loss", "train_accuracy", "test_loss",
+                             "test_accuracy", "seconds", "samples_per_sec"}
+    assert lines[2]["restored"] is True
+    assert lines[2]["test_accuracy"] == result["history"][-1]["test_accuracy"]
