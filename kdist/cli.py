@@ -1,6 +1,8 @@
 """Command line of scripts/train.py and scripts/evaluate.py."""
 
 import argparse
+import importlib
+import importlib.util
 import os
 import signal
 import sys
@@ -82,6 +84,10 @@ def load_data(args):
     return data.load_fashion_mnist(args.data_dir)
 
 
+def _log(line):
+    print(line, flush=True)  # Line by line, also into pipes and `tee`.
+
+
 def _fail(message):
     print(f"error: {message}", file=sys.stderr)
     return 1
@@ -94,7 +100,10 @@ def _start(parser, args, replicas=None):
     except ValueError as e:
         parser.error(str(e))
     with startup.native_logs_silenced(not args.verbose):
-        import keras  # noqa: F401  (loads the backend now, with its notices hidden)
+        importlib.import_module("keras")  # Loads the backend now, notices hidden.
+        if importlib.util.find_spec("tensorflow"):
+            # Keras on any backend loads TF when it is installed (seeding, tf.data).
+            importlib.import_module("tensorflow")
 
 
 def main(argv=None):
@@ -114,7 +123,7 @@ def main(argv=None):
     try:
         dataset = load_data(args)
         with interrupt.stop_on_signals(stop):
-            training.train_and_evaluate(config, dataset, stop=stop)
+            training.train_and_evaluate(config, dataset, log=_log, stop=stop)
     except training.Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 128 + getattr(signal, stop.signal_name)

@@ -1,0 +1,111 @@
+"""scripts/train.py and scripts/evaluate.py as a user runs them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO
+from kdist import cli
+from test_training import checkpoint_arrays
+
+TRAIN = os.path.join(REPO, "scripts", "train.py")
+EVALUATE = os.path.join(REPO, "scripts", "evaluate.py")
+SMALL = ["--synthetic", "--batch-size-per-replica", "16", "--replicas", "2", "--seed", "3",
+         "--quiet"]
+
+
+def script(path, *args, **kwargs):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, path, *args], capture_output=True, text=True,
+                          timeout=300, env=env, **kwargs)
+
+
+def test_help_documents_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--epochs", "--batch-size-per-replica", "--learning-rate", "--replicas",
+                 "--checkpoint-dir", "--checkpoint-every", "--keep", "--no-resume",
+                 "--data-dir", "--seed", "--steps-per-epoch", "--synthetic",
+                 "--metrics-file", "--quiet", "--verbose"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--epochs", "0"], "--epochs: must be greater than 0"),
+    (["--batch-size-per-replica", "-4"], "--batch-size-per-replica: must be greater than 0"),
+    (["--learning-rate", "0"], "--learning-rate: must be greater than 0"),
+    (["--replicas", "two"], "--replicas: expected a number"),
+])
+def test_bad_flags_exit_2_with_the_reason(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_backend_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--synthetic"])
+    assert exit_.value.code == 2
+    assert "KERAS_BACKEND=torch is not supported" in capsys.readouterr().err
+
+
+def test_incomplete_data_dir_names_missing_files(tmp_path, capsys):
+    code = cli.main(["--data-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1
+    assert "lacks train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz" in err
+
+
+def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
+    common = SMALL + ["--epochs", "2", "--steps-per-epoch", "300", "--checkpoint-every", "1"]
+    straight = script(TRAIN, *common, "--checkpoint-dir", str(tmp_path / "a"),
+                      "--metrics-file", str(tmp_path / "a.jsonl"))
+    assert straight.returncode == 0, straight.stderr
+    assert straight.stderr == ""  # Framework start-up noise stays hidden.
+    lines = straight.stdout.splitlines()
+    assert lines[0].startswith("Training on ") and "2 replica(s)" in lines[0]
+    assert [line.split(",")[0] for line in lines if line.startswith("Epoch")] == \
+        ["Epoch 1/2", "Epoch 2/2"]
+    assert "Accuracy after restoring" in lines[-1]
+
+    folder = str(tmp_path / "b")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, TRAIN, *common, "--checkpoint-dir", folder],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout.readline().startswith("Training on ")
+    time.sleep(0.5)  # Into the first epoch.
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.startswith("interrupted: SIGTERM: stopped ") and err.count("\n") == 1
+    assert os.listdir(folder)
+
+    resumed = script(TRAIN, *common, "--checkpoint-dir", folder)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stdout.startswith("Resumed from ")
+    final_a = os.path.join(tmp_path, "a", "ckpt-00000600.weights.h5")
+    final_b = os.path.join(folder, "ckpt-00000600.weights.h5")
+    a, b = checkpoint_arrays(final_a), checkpoint_arrays(final_b)
+    assert max(float(abs(a[k] - b[k]).max()) for k in a) <= 1e-6
+    epoch2 = [line for line in straight.stdout.splitlines() if line.startswith("Epoch 2/2")]
+    assert epoch2[0].split(" (")[0] in resumed.stdout  # Same metrics, timing aside.
+
+    restored = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[-1])
+    evaluated = script(EVALUATE, "--synthetic", "--checkpoint-dir", str(tmp_path / "a"))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert f"test accuracy {restored['test_accuracy']:.2f}%" in evaluated.stdout
+
+
+def test_evaluate_without_checkpoint_is_a_clear_error(tmp_path):
+    result = script(EVALUATE, "--synthetic", "--checkpoint-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: no checkpoint in ")

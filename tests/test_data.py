@@ -1,0 +1,128 @@
+"""Fashion-MNIST loading (offline first, checked headers) and batching."""
+
+import gzip
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from kdist import data
+
+
+def write_idx(path, array, magic, dims=None):
+    dims = array.shape if dims is None else dims
+    header = struct.pack(f">I{len(dims)}I", magic, *dims)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def make_dataset_dir(folder, n_train=6, n_test=4):
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for split, n in (("train", n_train), ("t10k", n_test)):
+        write_idx(folder / f"{split}-images-idx3-ubyte.gz",
+                  rng.integers(0, 256, (n, 28, 28)), 0x0803)
+        write_idx(folder / f"{split}-labels-idx1-ubyte.gz", rng.integers(0, 10, n), 0x0801)
+    return folder
+
+
+def test_loads_and_normalises_a_data_dir(tmp_path):
+    folder = make_dataset_dir(tmp_path / "fm")
+    ds = data.load_fashion_mnist(str(folder))
+    assert ds.train_images.shape == (6, 28, 28, 1) and ds.test_images.shape == (4, 28, 28, 1)
+    assert ds.train_images.dtype == np.float32 and 0.0 <= ds.train_images.min()
+    assert ds.train_images.max() <= 1.0 and ds.train_labels.dtype == np.int32
+    assert ds.source == str(folder)
+
+
+def test_data_dir_without_the_files_names_the_missing_ones(tmp_path):
+    folder = make_dataset_dir(tmp_path / "fm")
+    os.remove(folder / "t10k-labels-idx1-ubyte.gz")
+    with pytest.raises(data.DataError, match="lacks t10k-labels-idx1-ubyte.gz"):
+        data.load_fashion_mnist(str(folder))
+
+
+def test_truncated_file_is_named(tmp_path):
+    folder = make_dataset_dir(tmp_path / "fm")
+    path = folder / "train-images-idx3-ubyte.gz"
+    write_idx(path, np.zeros((6, 28, 28)), 0x0803, dims=(7, 28, 28))  # Header claims 7.
+    with pytest.raises(data.DataError, match="train-images-idx3-ubyte.gz.*truncated"):
+        data.load_fashion_mnist(str(folder))
+
+
+def test_wrong_magic_and_non_gzip_are_named(tmp_path):
+    folder = make_dataset_dir(tmp_path / "fm")
+    write_idx(folder / "train-labels-idx1-ubyte.gz", np.zeros(6), 0x0803, dims=(6,))
+    with pytest.raises(data.DataError, match="train-labels-idx1-ubyte.gz: IDX magic"):
+        data.load_fashion_mnist(str(folder))
+    (folder / "train-labels-idx1-ubyte.gz").write_bytes(b"not gzip")
+    with pytest.raises(data.DataError, match="train-labels-idx1-ubyte.gz: cannot read"):
+        data.load_fashion_mnist(str(folder))
+
+
+def test_mismatched_counts_are_an_error(tmp_path):
+    folder = make_dataset_dir(tmp_path / "fm")
+    write_idx(folder / "train-labels-idx1-ubyte.gz", np.zeros(5), 0x0801)
+    with pytest.raises(data.DataError, match="6 images but 5 labels"):
+        data.load_fashion_mnist(str(folder))
+
+
+def test_search_order_keras_cache_then_debian(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras"))
+    debian = make_dataset_dir(tmp_path / "debian", n_train=3)
+    monkeypatch.setattr(data, "DEBIAN_DIR", str(debian))
+    assert data.load_fashion_mnist().source == str(debian)
+    cache = make_dataset_dir(tmp_path / "keras" / "datasets" / "fashion-mnist", n_train=2)
+    assert data.load_fashion_mnist().source == str(cache)
+
+
+def test_nothing_found_and_no_download_names_the_three_ways(tmp_path, monkeypatch):
+    import keras
+
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras"))
+    monkeypatch.setattr(data, "DEBIAN_DIR", str(tmp_path / "nowhere"))
+
+    def offline():
+        raise OSError("network unreachable")
+
+    monkeypatch.setattr(keras.datasets.fashion_mnist, "load_data", offline)
+    with pytest.raises(data.DataError) as error:
+        data.load_fashion_mnist()
+    message = str(error.value)
+    assert "--data-dir" in message and str(tmp_path / "keras") in message
+    assert "apt-get install dataset-fashion-mnist" in message
+
+
+def test_train_batches_are_full_shuffled_and_reproducible():
+    images = np.arange(100, dtype=np.float32).reshape(100, 1, 1, 1)
+    labels = np.arange(100, dtype=np.int32)
+    epoch0 = list(data.train_batches(images, labels, 32, seed=1, epoch=0, steps=3))
+    again = list(data.train_batches(images, labels, 32, seed=1, epoch=0, steps=3))
+    epoch1 = list(data.train_batches(images, labels, 32, seed=1, epoch=1, steps=3))
+    assert [len(b[1]) for b in epoch0] == [32, 32, 32]
+    assert len(set(np.concatenate([b[1] for b in epoch0]))) == 96
+    assert all((a[1] == b[1]).all() for a, b in zip(epoch0, again))
+    assert not (epoch0[0][1] == epoch1[0][1]).all()
+    resumed = list(data.train_batches(images, labels, 32, seed=1, epoch=0, steps=3,
+                                      start_step=2))
+    assert (resumed[0][1] == epoch0[2][1]).all()
+
+
+def test_shards_of_a_global_batch_partition_it():
+    images = np.zeros((64, 1, 1, 1), np.float32)
+    labels = np.arange(64, dtype=np.int32)
+    whole = next(data.train_batches(images, labels, 32, seed=0, epoch=0, steps=1))
+    parts = [next(data.train_batches(images, labels, 32, seed=0, epoch=0, steps=1,
+                                     shard=(i, 2))) for i in range(2)]
+    assert (np.concatenate([p[1] for p in parts]) == whole[1]).all()
+
+
+def test_eval_batches_pad_the_last_batch_with_zero_weight():
+    images = np.ones((10, 28, 28, 1), np.float32)
+    labels = np.arange(10, dtype=np.int32)
+    batches = list(data.eval_batches(images, labels, 4))
+    assert [b[0].shape[0] for b in batches] == [4, 4, 4]
+    weights = np.concatenate([b[2] for b in batches])
+    assert weights.tolist() == [1.0] * 10 + [0.0] * 2
+    assert np.concatenate([b[1] for b in batches])[:10].tolist() == list(range(10))
