@@ -5,6 +5,9 @@ The `both` session has TensorFlow and JAX installed and runs the tests that
 cross backends (a checkpoint written on one, restored on the other).
 """
 
+import json
+import os
+
 import nox
 
 nox.options.sessions = ["tests"]
@@ -24,3 +27,25 @@ def tests(session, backend):
         env = {"KERAS_BACKEND": backend}
         args = ["-m", "not cross_backend"]
     session.run("pytest", *args, *session.posargs, env=env)
+
+
+@nox.session
+def smoke(session):
+    """One real Fashion-MNIST epoch per backend on 2 replicas; needs the data set."""
+    session.install("-e", ".[all]")
+    for backend in ("tensorflow", "jax"):
+        folder = session.create_tmp()
+        metrics = f"{folder}/metrics-{backend}.jsonl"
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        session.run("python", "scripts/train.py", "--epochs", "1", "--replicas", "2",
+                    "--no-resume", "--checkpoint-dir", f"{folder}/ckpt-{backend}",
+                    "--metrics-file", metrics, env={"KERAS_BACKEND": backend})
+        with open(metrics) as f:
+            epoch, restored = [json.loads(line) for line in f.read().splitlines()[-2:]]
+        if not epoch["test_accuracy"] > 80.0:
+            session.error(f"{backend}: test accuracy {epoch['test_accuracy']:.2f}% <= 80%")
+        if restored["test_accuracy"] != epoch["test_accuracy"]:
+            session.error(f"{backend}: restored accuracy {restored['test_accuracy']} != "
+                          f"{epoch['test_accuracy']}")
+        session.log(f"{backend}: 1 epoch, test accuracy {epoch['test_accuracy']:.2f}%")

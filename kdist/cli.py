@@ -97,8 +97,9 @@ def _start(parser, args, replicas=None):
     """Sets devices and log levels, then imports the frameworks (quietly)."""
     try:
         startup.prepare_environment(replicas, args.verbose)
-    except ValueError as e:
+    except startup.UsageError as e:
         parser.error(str(e))
+
     with startup.native_logs_silenced(not args.verbose):
         importlib.import_module("keras")  # Loads the backend now, notices hidden.
         if importlib.util.find_spec("tensorflow"):
@@ -127,8 +128,9 @@ def main(argv=None):
     except training.Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 128 + getattr(signal, stop.signal_name)
-    except (data.DataError, checkpoints.CheckpointError, training.TrainingError,
-            ValueError) as e:
+    except startup.UsageError as e:
+        parser.error(str(e))
+    except (data.DataError, checkpoints.CheckpointError, training.TrainingError) as e:
         return _fail(e)
     return 0
 

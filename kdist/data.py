@@ -13,6 +13,8 @@ import struct
 
 import numpy as np
 
+from kdist.startup import UsageError
+
 FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
     "train_labels": "train-labels-idx1-ubyte.gz",
@@ -117,7 +119,7 @@ def _normalise(arrays, source):
 def load_fashion_mnist(data_dir=None):
     """Finds Fashion-MNIST offline first, and downloads it only as a last resort.
 
-    Order: `data_dir` (if given, it must hold all four files), the Keras cache
+    Order: `data_dir` (if given, it must hold all four files, else UsageError), the Keras cache
     (`$KERAS_HOME/datasets/fashion-mnist`, default `~/.keras`), the Debian
     package folder `/usr/share/datasets/fashion-mnist`, then
     `keras.datasets.fashion_mnist.load_data()`.
@@ -125,7 +127,7 @@ def load_fashion_mnist(data_dir=None):
     if data_dir is not None:
         missing = missing_files(data_dir)
         if missing:
-            raise DataError(f"--data-dir {data_dir} lacks {', '.join(missing)}; "
+            raise UsageError(f"--data-dir {data_dir} lacks {', '.join(missing)}; "
                             "point it at a folder with all four Fashion-MNIST .gz files")
         return load_from_directory(data_dir)
     for directory in (keras_cache_dir(), DEBIAN_DIR):

@@ -12,6 +12,13 @@ import re
 import sys
 
 SUPPORTED_BACKENDS = ("tensorflow", "jax")
+
+
+class UsageError(ValueError):
+    """The request cannot be met as asked (a flag or setting to change).
+
+    The command line reports it like argparse does: one line, exit status 2.
+    """
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -23,11 +30,11 @@ def selected_backend():
 def prepare_environment(replicas=None, verbose=False):
     """Sets the environment for `replicas` CPU devices and quiet start-up logs.
 
-    Raises ValueError for an unsupported `KERAS_BACKEND`.
+    Raises UsageError for an unsupported `KERAS_BACKEND`.
     """
     backend = selected_backend()
     if backend not in SUPPORTED_BACKENDS:
-        raise ValueError(f"KERAS_BACKEND={backend} is not supported; "
+        raise UsageError(f"KERAS_BACKEND={backend} is not supported; "
                          f"set it to one of: {', '.join(SUPPORTED_BACKENDS)}")
     if not verbose:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # oneDNN/CUDA notices.

@@ -15,6 +15,7 @@ import keras
 
 from kdist import checkpoints, data, engines, losses
 from kdist.model import create_model
+from kdist.startup import UsageError
 
 
 @dataclasses.dataclass
@@ -79,6 +80,10 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None):
     totals = zero_totals() if totals is None else dict(totals)
     done = 0
     for batch in batches:
+        if len(batch[0]) % engine.num_replicas:
+            raise UsageError(f"a batch of {len(batch[0])} does not split evenly across "
+                             f"{engine.num_replicas} replicas; use a global batch size "
+                             f"that is a multiple of {engine.num_replicas}")
         stats = step_fn(engine.distribute(batch))
         for key in totals:
             totals[key] += float(stats[key])
@@ -115,7 +120,7 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     global_batch = config.batch_size_per_replica * engine.num_replicas
     steps = data.steps_per_epoch(len(dataset.train_images), global_batch, config.steps_per_epoch)
     if steps == 0:
-        raise ValueError(f"{len(dataset.train_images)} training examples make no full "
+        raise UsageError(f"{len(dataset.train_images)} training examples make no full "
                          f"global batch of {global_batch}; lower --batch-size-per-replica")
     manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
     manager.prepare()

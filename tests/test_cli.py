@@ -59,10 +59,18 @@ def test_unknown_backend_exits_2(monkeypatch, capsys):
 
 
 def test_incomplete_data_dir_names_missing_files(tmp_path, capsys):
-    code = cli.main(["--data-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "c")])
-    err = capsys.readouterr().err
-    assert code == 1 and err.count("\n") == 1
-    assert "lacks train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz" in err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--data-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "c")])
+    assert exit_.value.code == 2
+    assert "lacks train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz" in \
+        capsys.readouterr().err
+
+
+def test_more_replicas_than_devices_exits_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--synthetic", "--replicas", "64", "--checkpoint-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "--replicas 64 but" in capsys.readouterr().err
 
 
 def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):

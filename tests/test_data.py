@@ -39,7 +39,7 @@ def test_loads_and_normalises_a_data_dir(tmp_path):
 def test_data_dir_without_the_files_names_the_missing_ones(tmp_path):
     folder = make_dataset_dir(tmp_path / "fm")
     os.remove(folder / "t10k-labels-idx1-ubyte.gz")
-    with pytest.raises(data.DataError, match="lacks t10k-labels-idx1-ubyte.gz"):
+    with pytest.raises(data.UsageError, match="lacks t10k-labels-idx1-ubyte.gz"):
         data.load_fashion_mnist(str(folder))
 
 

@@ -91,8 +91,8 @@ def test_evaluation_counts_every_example_once(small_dataset, replicas):
     global_batch = 16 * replicas  # 1,001 is a multiple of none of 16, 32, 64.
     engine.prepare(model, None, global_batch, losses.sparse_categorical_crossentropy)
     images, labels = small_dataset.test_images, small_dataset.test_labels
-    totals = training.run_steps(engine, engine.eval_step,
-                                data.eval_batches(images, labels, global_batch))
+    totals, _ = training.run_steps(engine, engine.eval_step,
+                                   data.eval_batches(images, labels, global_batch))
     logits = np.asarray(model(images, training=False))
     assert totals["count"] == 1001
     assert totals["correct"] == float((logits.argmax(-1) == labels).sum())
@@ -101,5 +101,12 @@ def test_evaluation_counts_every_example_once(small_dataset, replicas):
 
 
 def test_replica_count_beyond_devices_is_a_clear_error():
-    with pytest.raises(ValueError, match="--replicas 64"):
+    with pytest.raises(engines.UsageError, match="--replicas 64"):
         engines.create_engine(64)
+
+
+def test_batch_that_does_not_split_across_replicas_is_a_clear_error(batch):
+    engine = engines.create_engine(4)
+    odd = tuple(a[:30] for a in batch)
+    with pytest.raises(engines.UsageError, match="30 does not split evenly across 4"):
+        training.run_steps(engine, engine.eval_step, [odd])

@@ -10,6 +10,8 @@ import importlib
 
 import keras
 
+from kdist.startup import UsageError
+
 BACKENDS = ("tensorflow", "jax")
 
 
@@ -17,7 +19,7 @@ def create_engine(replicas=None, distributed=True):
     """The engine of the active Keras backend (`KERAS_BACKEND`)."""
     backend = keras.backend.backend()
     if backend not in BACKENDS:
-        raise ValueError(f"KERAS_BACKEND={backend} is not supported; "
+        raise UsageError(f"KERAS_BACKEND={backend} is not supported; "
                          f"use one of {', '.join(BACKENDS)}")
     module = importlib.import_module(f"kdist.engines.{backend}")
     return module.Engine(replicas=replicas, distributed=distributed)

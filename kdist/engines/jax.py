@@ -6,6 +6,7 @@ import jax
 import keras
 
 from kdist import losses
+from kdist.startup import UsageError
 
 
 def _replica_devices(replicas):
@@ -13,7 +14,7 @@ def _replica_devices(replicas):
     if replicas is None:
         return devices
     if replicas > len(devices):
-        raise ValueError(
+        raise UsageError(
             f"--replicas {replicas} but JAX sees {len(devices)} devices; on a CPU set "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before jax "
             "is imported (scripts/train.py does this for you)")

@@ -3,6 +3,7 @@
 import tensorflow as tf
 
 from kdist import losses
+from kdist.startup import UsageError
 
 
 def split_cpu(count):
@@ -26,13 +27,13 @@ def _replica_devices(replicas):
     gpus = tf.config.list_physical_devices("GPU")
     if gpus:
         if replicas is not None and replicas > len(gpus):
-            raise ValueError(f"--replicas {replicas} but only {len(gpus)} GPUs are "
+            raise UsageError(f"--replicas {replicas} but only {len(gpus)} GPUs are "
                              f"visible; pass --replicas {len(gpus)} or fewer")
         return [f"/gpu:{i}" for i in range(replicas or len(gpus))]
     replicas = replicas or 1
     cpus = split_cpu(replicas)
     if replicas > len(cpus):
-        raise ValueError(f"--replicas {replicas} but TensorFlow already started with "
+        raise UsageError(f"--replicas {replicas} but TensorFlow already started with "
                          f"{len(cpus)} CPU devices; create the engine before any "
                          "TensorFlow op runs")
     return [d.name for d in cpus[:replicas]]

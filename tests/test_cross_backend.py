@@ -1,0 +1,77 @@
+"""Checkpoints cross backends and replica counts: JAX <-> TF, N <-> 1 replicas.
+
+Runs in the nox session with both backends (`tests(backend='both')`); each
+side is a real `scripts/train.py` process on its own backend.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.cross_backend
+
+TRAIN = os.path.join(REPO, "scripts", "train.py")
+HELPER = os.path.join(REPO, "tests", "predict_helper.py")
+STEPS = 20
+COMMON = ["--synthetic", "--batch-size-per-replica", "16", "--steps-per-epoch", str(STEPS),
+          "--checkpoint-every", "1", "--seed", "4", "--quiet"]
+OTHER = {"jax": "tensorflow", "tensorflow": "jax"}
+
+
+def run(backend, *args):
+    env = dict(os.environ, KERAS_BACKEND=backend)
+    env.pop("XLA_FLAGS", None)
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                            timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def predict(backend, checkpoint, out):
+    run(backend, HELPER, checkpoint, str(out))
+    return np.load(out)
+
+
+def latest(folder):
+    names = sorted(n for n in os.listdir(folder) if n.startswith("ckpt-"))
+    return os.path.join(folder, names[-1])
+
+
+@pytest.mark.parametrize("writer", ["jax", "tensorflow"])
+def test_checkpoint_restores_with_identical_predictions_on_the_other_backend(tmp_path, writer):
+    folder = str(tmp_path / "ckpt")
+    log = run(writer, TRAIN, *COMMON, "--epochs", "1", "--replicas", "2",
+              "--checkpoint-dir", folder)
+    mine = predict(writer, latest(folder), tmp_path / "mine.npz")
+    theirs = predict(OTHER[writer], latest(folder), tmp_path / "theirs.npz")
+    assert str(theirs["backend"]) == OTHER[writer]
+    assert np.abs(mine["logits"] - theirs["logits"]).max() <= 1e-5
+    assert int(theirs["iterations"]) == STEPS
+    # Iteration count, learning rate and Adam moments, exactly as the writer holds them.
+    np.testing.assert_array_equal(theirs["optimizer_state"], mine["optimizer_state"])
+    restored_line = log.splitlines()[-1]  # The writer's own restored accuracy...
+    evaluated = run(OTHER[writer], os.path.join(REPO, "scripts", "evaluate.py"),
+                    "--synthetic", "--checkpoint-dir", folder)
+    assert restored_line.split(": ")[-1] in evaluated  # ...equals the other's.
+
+
+@pytest.mark.parametrize("first, second", [
+    (("jax", "2"), ("tensorflow", "2")),
+    (("tensorflow", "1"), ("jax", "1")),
+    (("tensorflow", "2"), ("tensorflow", "1")),
+    (("jax", "1"), ("jax", "2")),
+])
+def test_training_resumes_on_another_backend_or_replica_count(tmp_path, first, second):
+    folder = str(tmp_path / "ckpt")
+    run(first[0], TRAIN, *COMMON, "--epochs", "1", "--replicas", first[1],
+        "--checkpoint-dir", folder)
+    log = run(second[0], TRAIN, *COMMON, "--epochs", "2", "--replicas", second[1],
+              "--checkpoint-dir", folder)
+    assert log.startswith("Resumed from ") and f"written by {first[0]}" in log.splitlines()[0]
+    after = predict(second[0], latest(folder), tmp_path / "after.npz")
+    assert int(after["iterations"]) == 2 * STEPS  # The optimizer's count carried over.
