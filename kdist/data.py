@@ -165,7 +165,7 @@ def synthetic_fashion_mnist(num_train=60000, num_test=10000, seed=0):
     train_images, train_labels = make(num_train)
     test_images, test_labels = make(num_test)
     return Dataset(train_images, train_labels, test_images, test_labels,
-                   source=f"synthetic (seed {seed})")
+                   source=f"synthetic, seed {seed}")
 
 
 def steps_per_epoch(num_examples, global_batch_size, limit=None):

@@ -7,13 +7,13 @@ The engine (`kdist.engines`) is the only backend-specific piece.
 """
 
 import dataclasses
-import json
 import math
+import os
 import time
 
 import keras
 
-from kdist import checkpoints, data, engines, losses
+from kdist import checkpoints, data, engines, losses, reporting
 from kdist.model import create_model
 from kdist.startup import UsageError
 
@@ -111,95 +111,121 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
                        stop=None):
     """Trains data-parallel, checkpoints, restores without distribution, evaluates.
 
-    `stop` (e.g. a `kdist.interrupt.StopRequest`) ends training at the next
-    step boundary with a checkpoint and an `Interrupted` error. Returns a dict
-    with `history` (one record per epoch) and `restored` (the evaluation of
-    the latest checkpoint in a fresh, undistributed model).
+    Args:
+        config: a `TrainConfig`.
+        dataset: a `kdist.data.Dataset` (NumPy arrays of any shapes).
+        model_fn: builds the Keras model (called in the engine's scope).
+        optimizer_fn: maps the learning rate to a Keras optimizer.
+        loss_fn: (labels, predictions) -> per-example losses, shape (batch,).
+        log: called with each line to print.
+        stop: if it becomes true (e.g. a `kdist.interrupt.StopRequest`),
+            training ends at the next step with a checkpoint and `Interrupted`.
+
+    Returns a dict with `history` (one record per epoch) and `restored` (the
+    evaluation of the latest checkpoint in a fresh, undistributed model).
     """
-    engine = engines.create_engine(config.replicas)
-    global_batch = config.batch_size_per_replica * engine.num_replicas
-    steps = data.steps_per_epoch(len(dataset.train_images), global_batch, config.steps_per_epoch)
-    if steps == 0:
-        raise UsageError(f"{len(dataset.train_images)} training examples make no full "
-                         f"global batch of {global_batch}; lower --batch-size-per-replica")
-    manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
-    manager.prepare()
-
-    keras.utils.set_random_seed(config.seed)
-    model, optimizer = build(engine, model_fn, optimizer_fn, config.learning_rate)
-    position = _resume_position(config, manager, model, log)
-    engine.prepare(model, optimizer, global_batch, loss_fn)
-
-    def save(epoch, step_in_epoch, totals, history):
-        engine.sync_to_model()
-        return manager.save(model, step=epoch * steps + step_in_epoch, metadata=dict(
-            epoch=epoch, step_in_epoch=step_in_epoch, totals=totals, history=history,
-            seed=config.seed, backend=engine.backend, replicas=engine.num_replicas,
-            global_batch_size=global_batch, steps_per_epoch=steps))
-
-    log(f"Training on {engine.backend} with {engine.num_replicas} replica(s) "
-        f"{engine.devices}: global batch {global_batch}, {steps} steps per epoch, "
-        f"data {dataset.source}")
-    history = position["history"]
-    for epoch in range(position["epoch"], config.epochs):
-        first_step = position["step_in_epoch"] if epoch == position["epoch"] else 0
-        totals = position["totals"] if epoch == position["epoch"] else None
-        start = time.perf_counter()
-        batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
-                                     seed=config.seed, epoch=epoch, steps=steps,
-                                     start_step=first_step)
-        totals, done = run_steps(engine, engine.train_step, batches, totals,
-                                 _step_callback(config, epoch, first_step, steps), stop)
-        if stop and first_step + done < steps:
-            path = save(epoch, first_step + done, totals, history)
-            raise Interrupted(f"{stop.signal_name}: stopped at epoch {epoch + 1}, step "
-                              f"{first_step + done}; saved {path}; run the same command "
-                              "to resume")
-        record = _epoch_record(engine, dataset, epoch, totals, global_batch,
-                               done, time.perf_counter() - start)
+    run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn)
+    log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note))
+    metrics = reporting.MetricsWriter(config.metrics_file)
+    history = run.position["history"]
+    for epoch in range(run.position["epoch"], config.epochs):
+        record = run.train_epoch(epoch, stop)
         history.append(record)
-        log(format_epoch(record, config.epochs))
-        _append_metrics(config.metrics_file, record)
+        log(reporting.format_epoch(record, config.epochs))
+        metrics.epoch(record)
         if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stop:
-            log(f"Saved checkpoint {save(epoch + 1, 0, None, history)}")
+            log(f"Saved checkpoint {run.save(epoch + 1, 0, None, history)}")
         if stop:
             raise Interrupted(f"{stop.signal_name}: stopped after epoch {epoch + 1}; run the "
                               "same command to resume")
 
-    latest = manager.latest()
-    if latest is None:
-        return {"history": history, "restored": None}
-    restored = evaluate_checkpoint(latest[0], dataset, model_fn, loss_fn, global_batch)
+    latest = run.manager.latest()
+    restored = evaluate_checkpoint(latest[0], dataset, model_fn, loss_fn, run.global_batch)
     log(f"Accuracy after restoring {latest[0]} without distribution: "
         f"{restored['test_accuracy']:.2f}%")
-    _append_metrics(config.metrics_file, restored)
+    metrics.restored(restored)
     return {"history": history, "restored": restored}
 
 
-def _resume_position(config, manager, model, log):
-    """Restores the newest checkpoint unless told not to; returns where to start."""
+class _Run:
+    """One training run's engine, model, checkpoints and position."""
+
+    def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn):
+        self.config, self.dataset = config, dataset
+        self.engine = engines.create_engine(config.replicas)
+        self.global_batch = config.batch_size_per_replica * self.engine.num_replicas
+        self.steps = data.steps_per_epoch(len(dataset.train_images), self.global_batch,
+                                          config.steps_per_epoch)
+        if self.steps == 0:
+            raise UsageError(f"{len(dataset.train_images)} training examples make no full "
+                             f"global batch of {self.global_batch}; lower "
+                             "--batch-size-per-replica")
+        self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
+        self.manager.prepare()
+        keras.utils.set_random_seed(config.seed)
+        self.model, optimizer = build(self.engine, model_fn, optimizer_fn, config.learning_rate)
+        self.position, self.note = _resume_position(config, self.manager, self.model)
+        self.engine.prepare(self.model, optimizer, self.global_batch, loss_fn)
+
+    def train_epoch(self, epoch, stop):
+        """Trains one epoch (or its rest, when resuming) and evaluates; returns its record."""
+        resuming = epoch == self.position["epoch"]
+        first_step = self.position["step_in_epoch"] if resuming else 0
+        totals = self.position["totals"] if resuming else None
+        start = time.perf_counter()
+        batches = data.train_batches(
+            self.dataset.train_images, self.dataset.train_labels, self.global_batch,
+            seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step)
+        on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
+        totals, done = run_steps(self.engine, self.engine.train_step, batches, totals,
+                                 on_step, stop)
+        if stop and first_step + done < self.steps:
+            path = self.save(epoch, first_step + done, totals, self.position["history"])
+            raise Interrupted(f"{stop.signal_name}: stopped at epoch {epoch + 1}, step "
+                              f"{first_step + done}; saved {path}; run the same command "
+                              "to resume")
+        return _epoch_record(self.engine, self.dataset, epoch, totals, self.global_batch,
+                             done, time.perf_counter() - start)
+
+    def save(self, epoch, step_in_epoch, totals, history):
+        """Checkpoints the position `step_in_epoch` steps into epoch `epoch` (0-based)."""
+        self.engine.sync_to_model()
+        return self.manager.save(
+            self.model, step=epoch * self.steps + step_in_epoch, metadata=dict(
+                epoch=epoch, step_in_epoch=step_in_epoch, totals=totals, history=history,
+                seed=self.config.seed, backend=self.engine.backend,
+                replicas=self.engine.num_replicas, global_batch_size=self.global_batch,
+                steps_per_epoch=self.steps))
+
+
+def _resume_position(config, manager, model):
+    """Restores the newest checkpoint unless told not to.
+
+    Returns (where to start, a note for the banner).
+    """
     start = dict(epoch=0, step_in_epoch=0, totals=None, history=[])
-    latest = manager.latest() if config.resume else None
     if not config.resume and manager.paths():
-        log(f"--no-resume: starting over; the checkpoints in {config.checkpoint_dir} "
-            "will be replaced by this run's")
+        return start, ("starting over (--no-resume): this run's first checkpoint "
+                       "replaces the ones there")
+    latest = manager.latest() if config.resume else None
     if latest is None:
-        return start
+        return start, "starting fresh"
     path, meta = latest
     checkpoints.restore(model, path, meta)
     if model.optimizer is not None:
         model.optimizer.learning_rate.assign(config.learning_rate)
     where = (f"epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}"
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
-    log(f"Resumed from {path} ({where}; written by {meta['backend']} with "
-        f"{meta['replicas']} replica(s))")
-    return {key: meta[key] for key in start}
+    return {key: meta[key] for key in start}, (
+        f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
+        f"with {meta['replicas']} replica(s))")
 
 
-def _step_callback(config, epoch, first_step, steps):
+def _step_callback(config, epoch, first_step, steps, global_batch):
     """Checks every step's loss and drives the progress bar."""
-    progbar = keras.utils.Progbar(steps, stateful_metrics=["loss", "accuracy"]) \
+    progbar = keras.utils.Progbar(steps, stateful_metrics=["loss", "accuracy", "samples/s"]) \
         if config.progress else None
+    start = time.perf_counter()
 
     def on_step(done, stats, totals):
         step = first_step + done
@@ -209,7 +235,8 @@ def _step_callback(config, epoch, first_step, steps):
                 "Checkpoints written before stay valid; try a lower --learning-rate")
         if progbar is not None:
             loss, accuracy = summarize(totals)
-            progbar.update(step, [("loss", loss), ("accuracy", accuracy)])
+            rate = round(done * global_batch / (time.perf_counter() - start))
+            progbar.update(step, [("loss", loss), ("accuracy", accuracy), ("samples/s", rate)])
 
     return on_step
 
@@ -234,16 +261,3 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model,
         engine, dataset.test_images, dataset.test_labels, batch_size)
     return dict(restored=True, checkpoint=path, test_loss=test_loss,
                 test_accuracy=test_accuracy)
-
-
-def format_epoch(record, epochs):
-    return (f"Epoch {record['epoch']}/{epochs}, Loss: {record['train_loss']:.4f}, "
-            f"Accuracy: {record['train_accuracy']:.2f}%, Test Loss: {record['test_loss']:.4f}, "
-            f"Test Accuracy: {record['test_accuracy']:.2f}% "
-            f"({record['seconds']:.1f} s, {record['samples_per_sec']:,.0f} samples/s)")
-
-
-def _append_metrics(path, record):
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(record) + "\n")

@@ -15,8 +15,7 @@ from test_training import checkpoint_arrays
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 EVALUATE = os.path.join(REPO, "scripts", "evaluate.py")
-SMALL = ["--synthetic", "--batch-size-per-replica", "16", "--replicas", "2", "--seed", "3",
-         "--quiet"]
+SMALL = ["--synthetic", "--batch-size-per-replica", "16", "--replicas", "2", "--seed", "3"]
 
 
 def script(path, *args, **kwargs):
@@ -79,8 +78,11 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
                       "--metrics-file", str(tmp_path / "a.jsonl"))
     assert straight.returncode == 0, straight.stderr
     assert straight.stderr == ""  # Framework start-up noise stays hidden.
+    assert "\r" not in straight.stdout and "\u2501" not in straight.stdout  # No bar in a pipe.
     lines = straight.stdout.splitlines()
-    assert lines[0].startswith("Training on ") and "2 replica(s)" in lines[0]
+    assert lines[0].startswith("kdist ") and lines[1].startswith("Replicas: 2 ")
+    assert lines[2].startswith("Batch: 16 per replica, 32 global; 300 steps per epoch")
+    assert lines[3].startswith("Data: synthetic") and lines[4].endswith("starting fresh")
     assert [line.split(",")[0] for line in lines if line.startswith("Epoch")] == \
         ["Epoch 1/2", "Epoch 2/2"]
     assert "Accuracy after restoring" in lines[-1]
@@ -89,7 +91,8 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, TRAIN, *common, "--checkpoint-dir", folder],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout.readline().startswith("Training on ")
+    banner = [proc.stdout.readline() for _ in range(5)]
+    assert banner[-1].startswith("Checkpoints: ")
     time.sleep(0.5)  # Into the first epoch.
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
@@ -99,7 +102,7 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
 
     resumed = script(TRAIN, *common, "--checkpoint-dir", folder)
     assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stdout.startswith("Resumed from ")
+    assert ", resumed from ckpt-" in resumed.stdout.splitlines()[4]
     final_a = os.path.join(tmp_path, "a", "ckpt-00000600.weights.h5")
     final_b = os.path.join(folder, "ckpt-00000600.weights.h5")
     a, b = checkpoint_arrays(final_a), checkpoint_arrays(final_b)
@@ -117,3 +120,33 @@ def test_evaluate_without_checkpoint_is_a_clear_error(tmp_path):
     result = script(EVALUATE, "--synthetic", "--checkpoint-dir", str(tmp_path))
     assert result.returncode == 1
     assert result.stderr.startswith("error: no checkpoint in ")
+
+
+def test_progress_bar_shows_in_a_terminal_and_not_with_quiet(tmp_path):
+    import pty
+
+    def run_in_terminal(*extra):
+        controller, terminal = pty.openpty()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            [sys.executable, TRAIN, *SMALL, "--epochs", "1", "--steps-per-epoch", "5",
+             "--no-resume", "--checkpoint-dir", str(tmp_path), *extra],
+            stdout=terminal, stderr=subprocess.PIPE, env=env)
+        os.close(terminal)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(controller, 4096)
+            except OSError:  # The terminal closes when the process exits.
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        assert proc.wait(timeout=120) == 0
+        os.close(controller)
+        return b"".join(chunks).decode()
+
+    shown = run_in_terminal()
+    assert "\u2501" in shown and "samples/s:" in shown
+    quiet = run_in_terminal("--quiet")
+    assert "\u2501" not in quiet and "Epoch 1/1" in quiet

@@ -72,6 +72,8 @@ def test_training_resumes_on_another_backend_or_replica_count(tmp_path, first, s
         "--checkpoint-dir", folder)
     log = run(second[0], TRAIN, *COMMON, "--epochs", "2", "--replicas", second[1],
               "--checkpoint-dir", folder)
-    assert log.startswith("Resumed from ") and f"written by {first[0]}" in log.splitlines()[0]
+    note = log.splitlines()[4]
+    assert note.startswith("Checkpoints: ") and ", resumed from ckpt-" in note
+    assert f"written by {first[0]} with {first[1]} replica(s)" in note
     after = predict(second[0], latest(folder), tmp_path / "after.npz")
     assert int(after["iterations"]) == 2 * STEPS  # The optimizer's count carried over.

@@ -86,3 +86,8 @@ def test_metrics_file_has_one_line_per_epoch_and_the_restored_result(tmp_path, s
                              "test_accuracy", "seconds", "samples_per_sec"}
     assert lines[2]["restored"] is True
     assert lines[2]["test_accuracy"] == result["history"][-1]["test_accuracy"]
+    rows = (tmp_path / "metrics.csv").read_text().splitlines()
+    assert rows[0] == ("epoch,samples_per_sec,seconds,test_accuracy,test_loss,"
+                       "train_accuracy,train_loss")  # keras.callbacks.CSVLogger's layout.
+    assert [row.split(",")[0] for row in rows[1:]] == ["0", "1"]
+    assert float(rows[2].split(",")[3]) == lines[1]["test_accuracy"]

@@ -35,6 +35,7 @@ class Engine:
     """
 
     backend = "jax"
+    version = jax.__version__
 
     def __init__(self, replicas=None, distributed=True):
         if distributed:

@@ -49,6 +49,7 @@ class Engine:
     """
 
     backend = "tensorflow"
+    version = tf.__version__
 
     def __init__(self, replicas=None, distributed=True):
         if distributed:
