@@ -1,8 +1,8 @@
 """kdist: one custom Keras 3 training loop, data-parallel on TensorFlow and JAX.
 
-`import kdist` loads no framework, so `kdist.startup.prepare_environment`
-can still set device counts. The heavy modules load on first use:
-`kdist.training`, `kdist.data`, `kdist.model`, `kdist.checkpoints`.
+The public API is what this module exports. `import kdist` loads no
+framework, so `kdist.prepare_environment(replicas=N)` can still set device
+counts before Keras loads; the other names load their modules on first use.
 """
 
 import importlib
@@ -13,11 +13,21 @@ _LAZY = {
     "TrainConfig": "kdist.training",
     "train_and_evaluate": "kdist.training",
     "evaluate_checkpoint": "kdist.training",
+    "Interrupted": "kdist.training",
+    "TrainingError": "kdist.training",
     "create_model": "kdist.model",
+    "Dataset": "kdist.data",
+    "DataError": "kdist.data",
     "load_fashion_mnist": "kdist.data",
     "synthetic_fashion_mnist": "kdist.data",
+    "CheckpointError": "kdist.checkpoints",
+    "latest_checkpoint": "kdist.checkpoints",
+    "StopRequest": "kdist.interrupt",
+    "stop_on_signals": "kdist.interrupt",
     "prepare_environment": "kdist.startup",
+    "UsageError": "kdist.startup",
 }
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name):

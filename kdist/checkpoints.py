@@ -119,6 +119,12 @@ class CheckpointManager:
         return None
 
 
+def latest_checkpoint(directory):
+    """Path of the newest readable checkpoint in `directory`, or None."""
+    latest = CheckpointManager(directory).latest()
+    return latest[0] if latest else None
+
+
 def restore(model, path, metadata=None):
     """Loads checkpoint `path` into `model` (and its compiled optimizer).
 

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 
+import kdist
 from kdist import startup
 
 
@@ -77,11 +78,9 @@ def train_parser():
 
 
 def load_data(args):
-    from kdist import data
-
     if args.synthetic:
-        return data.synthetic_fashion_mnist(seed=0)
-    return data.load_fashion_mnist(args.data_dir)
+        return kdist.synthetic_fashion_mnist(seed=0)
+    return kdist.load_fashion_mnist(args.data_dir)
 
 
 def _log(line):
@@ -111,26 +110,24 @@ def main(argv=None):
     parser = train_parser()
     args = parser.parse_args(argv)
     _start(parser, args, args.replicas)
-    from kdist import checkpoints, data, interrupt, training
-
-    config = training.TrainConfig(
+    config = kdist.TrainConfig(
         epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
         learning_rate=args.learning_rate, replicas=args.replicas,
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep=args.keep, resume=args.resume, seed=args.seed,
         steps_per_epoch=args.steps_per_epoch, metrics_file=args.metrics_file,
         progress=sys.stdout.isatty() and not args.quiet)
-    stop = interrupt.StopRequest()
+    stop = kdist.StopRequest()
     try:
         dataset = load_data(args)
-        with interrupt.stop_on_signals(stop):
-            training.train_and_evaluate(config, dataset, log=_log, stop=stop)
-    except training.Interrupted as e:
+        with kdist.stop_on_signals(stop):
+            kdist.train_and_evaluate(config, dataset, log=_log, stop=stop)
+    except kdist.Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 128 + getattr(signal, stop.signal_name)
-    except startup.UsageError as e:
+    except kdist.UsageError as e:
         parser.error(str(e))
-    except (data.DataError, checkpoints.CheckpointError, training.TrainingError) as e:
+    except (kdist.DataError, kdist.CheckpointError, kdist.TrainingError) as e:
         return _fail(e)
     return 0
 
@@ -144,16 +141,14 @@ def evaluate_main(argv=None):
     _add_common(parser)
     args = parser.parse_args(argv)
     _start(parser, args)
-    from kdist import checkpoints, data, training
-
     try:
-        latest = checkpoints.CheckpointManager(args.checkpoint_dir).latest()
-        if latest is None:
+        path = kdist.latest_checkpoint(args.checkpoint_dir)
+        if path is None:
             return _fail(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
                          "train first or pass --checkpoint-dir")
-        result = training.evaluate_checkpoint(latest[0], load_data(args))
-    except (data.DataError, checkpoints.CheckpointError) as e:
+        result = kdist.evaluate_checkpoint(path, load_data(args))
+    except (kdist.DataError, kdist.CheckpointError) as e:
         return _fail(e)
-    print(f"{latest[0]}: test loss {result['test_loss']:.4f}, "
+    print(f"{path}: test loss {result['test_loss']:.4f}, "
           f"test accuracy {result['test_accuracy']:.2f}%")
     return 0

@@ -1,0 +1,50 @@
+"""Learning curves from a metrics file (needs matplotlib: `pip install kdist[plot]`)."""
+
+import json
+
+
+def read_epochs(metrics_file):
+    """The per-epoch records of a JSON-lines metrics file, last run's value per epoch."""
+    by_epoch = {}
+    with open(metrics_file) as f:
+        for number, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{metrics_file}:{number}: not JSON ({e.msg})") from None
+            if "epoch" in record:
+                by_epoch[record["epoch"]] = record  # A resumed run repeats no epoch.
+    if not by_epoch:
+        raise ValueError(f"{metrics_file} has no epoch records; pass the file written by "
+                         "scripts/train.py --metrics-file")
+    return [by_epoch[e] for e in sorted(by_epoch)]
+
+
+def plot_curves(metrics_file, output):
+    """Draws train/test loss and accuracy per epoch into one PNG at `output`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # Files only; no display needed.
+    from matplotlib import pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    records = read_epochs(metrics_file)
+    epochs = [r["epoch"] for r in records]
+    figure, (loss_axes, accuracy_axes) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    for axes, metric, label in ((loss_axes, "loss", "Loss"),
+                                (accuracy_axes, "accuracy", "Accuracy (%)")):
+        for split, style in (("train", "o-"), ("test", "s--")):
+            axes.plot(epochs, [r[f"{split}_{metric}"] for r in records], style,
+                      label=f"{split}")
+        axes.set_xlabel("Epoch")
+        axes.set_ylabel(label)
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True))
+        axes.grid(alpha=0.3)
+        axes.legend()
+    loss_axes.set_title("Loss")
+    accuracy_axes.set_title("Accuracy")
+    figure.suptitle(metrics_file)
+    figure.tight_layout()
+    figure.savefig(output)
+    plt.close(figure)
+    return output
