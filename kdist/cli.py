@@ -25,9 +25,10 @@ def _positive(kind):
     return parse
 
 
-def _add_common(parser):
-    parser.add_argument("--checkpoint-dir", default="./training_checkpoints",
-                        help="folder for checkpoints (default: %(default)s)")
+def _add_common(parser, checkpoints=True):
+    if checkpoints:
+        parser.add_argument("--checkpoint-dir", default="./training_checkpoints",
+                            help="folder for checkpoints (default: %(default)s)")
     parser.add_argument("--data-dir", default=None,
                         help="folder with the four Fashion-MNIST IDX .gz files (default: "
                              "the Keras cache, then /usr/share/datasets/fashion-mnist, "
@@ -151,4 +152,34 @@ def evaluate_main(argv=None):
         return _fail(e)
     print(f"{path}: test loss {result['test_loss']:.4f}, "
           f"test accuracy {result['test_accuracy']:.2f}%")
+    return 0
+
+
+def bench_main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="bench.py",
+        description="Measure kdist's training loop against Keras fit on the backend chosen "
+                    "by KERAS_BACKEND: same model, data, batch and devices, one process. "
+                    "Prints a table, then one JSON line.")
+    parser.add_argument("--replicas", type=_positive(int), default=None,
+                        help="data-parallel replicas (default: every visible device)")
+    parser.add_argument("--batch-size-per-replica", type=_positive(int), default=64,
+                        help="examples per replica per step (default: %(default)s)")
+    parser.add_argument("--steps", type=_positive(int), default=None,
+                        help="steps per timed epoch (default: a whole epoch)")
+    parser.add_argument("--windows", type=_positive(int), default=4,
+                        help="steady epochs timed after the first; their median counts "
+                             "(default: %(default)s)")
+    _add_common(parser, checkpoints=False)
+    args = parser.parse_args(argv)
+    _start(parser, args, args.replicas)
+    from kdist import bench
+
+    try:
+        bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
+                  args.windows, log=_log)
+    except kdist.UsageError as e:
+        parser.error(str(e))
+    except (kdist.DataError, ValueError) as e:
+        return _fail(e)
     return 0

@@ -29,6 +29,33 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
         return ops.max(x, axis=(2, 4))
 
 
+class Conv2D(keras.layers.Conv2D):
+    """`keras.layers.Conv2D` whose 3x3 valid convolutions run as one matmul on JAX.
+
+    On XLA:CPU a convolution with several input channels is faster as im2col:
+    the nine shifted slices of the input concatenated on the channel axis,
+    times the kernel reshaped from (3, 3, in, out) to (9 * in, out). The
+    kernel keeps Keras' layout, so weights and checkpoints are unchanged; with
+    one input channel (the first layer) XLA's own convolution is faster and is
+    kept, as it is on TensorFlow.
+    """
+
+    def call(self, inputs):
+        if (keras.backend.backend() != "jax" or inputs.shape[-1] < 2
+                or self.kernel_size != (3, 3) or self.strides != (1, 1)
+                or self.padding != "valid" or self.dilation_rate != (1, 1)
+                or self.groups != 1 or self.data_format != "channels_last"):
+            return super().call(inputs)
+        height, width = inputs.shape[1] - 2, inputs.shape[2] - 2
+        patches = ops.concatenate(
+            [inputs[:, i:i + height, j:j + width, :] for i in range(3) for j in range(3)],
+            axis=-1)
+        outputs = ops.matmul(patches, ops.reshape(self.kernel, (-1, self.filters)))
+        if self.use_bias:
+            outputs = outputs + self.bias
+        return self.activation(outputs) if self.activation is not None else outputs
+
+
 def create_model(num_classes=10):
     """Conv2D(32,3,relu)-MaxPool-Conv2D(64,3,relu)-MaxPool-Flatten-Dense(64,relu)-Dense(10).
 
@@ -39,7 +66,7 @@ def create_model(num_classes=10):
             keras.Input((28, 28, 1)),
             keras.layers.Conv2D(32, 3, activation="relu"),
             MaxPooling2D(),
-            keras.layers.Conv2D(64, 3, activation="relu"),
+            Conv2D(64, 3, activation="relu"),
             MaxPooling2D(),
             keras.layers.Flatten(),
             keras.layers.Dense(64, activation="relu"),

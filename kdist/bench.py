@@ -1,0 +1,124 @@
+"""Training speed of kdist's loop against Keras `fit`, same model, data and batch.
+
+Both run in one process, back to back, under the same engine (strategy or
+distribution), for 1 + `windows` epochs of `steps` global batches. The first
+epoch (with compilation) is timed alone; the steady speed is the median
+samples/s of the other epochs. Epochs are timed whole, from start to a
+result on the host, so asynchronous dispatch cannot flatter either side.
+Evaluation time is the second full pass over the test set (the first compiles).
+"""
+
+import json
+import resource
+import statistics
+import time
+
+import keras
+
+from kdist import data, engines, losses, training
+from kdist.model import create_model
+
+
+def peak_rss_mb():
+    """The process's peak resident memory so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def summarize_epochs(seconds, samples_per_epoch):
+    """First-epoch time and the median samples/s of the epochs after it."""
+    return dict(first_epoch_seconds=seconds[0],
+                samples_per_sec=statistics.median(samples_per_epoch / s for s in seconds[1:]))
+
+
+def measure_kdist(engine, dataset, global_batch, steps, windows):
+    keras.utils.set_random_seed(0)
+    model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
+    engine.prepare(model, optimizer, global_batch, losses.sparse_categorical_crossentropy)
+    seconds = []
+    for epoch in range(1 + windows):
+        start = time.perf_counter()
+        batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
+                                     seed=0, epoch=epoch, steps=steps)
+        training.run_steps(engine, engine.train_step, batches)  # Ends with host values.
+        seconds.append(time.perf_counter() - start)
+    evaluate_seconds = _time_twice(lambda: training.evaluate(
+        engine, dataset.test_images, dataset.test_labels, global_batch))
+    return dict(summarize_epochs(seconds, steps * global_batch),
+                eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
+
+
+class _EpochTimes(keras.callbacks.Callback):
+    """Epoch wall times; `fit` turns the epoch's logs into floats before on_epoch_end."""
+
+    def __init__(self):
+        super().__init__()
+        self.seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def measure_fit(engine, dataset, global_batch, steps, windows):
+    keras.utils.set_random_seed(0)
+    with engine.scope():
+        model = create_model()
+        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+    count = steps * global_batch
+    times = _EpochTimes()
+    model.fit(dataset.train_images[:count], dataset.train_labels[:count],
+              batch_size=global_batch, epochs=1 + windows, callbacks=[times], verbose=0)
+    evaluate_seconds = _time_twice(lambda: model.evaluate(
+        dataset.test_images, dataset.test_labels, batch_size=global_batch, verbose=0))
+    return dict(summarize_epochs(times.seconds, count),
+                eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
+
+
+def _time_twice(fn):
+    fn()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run(dataset, replicas=None, batch_size_per_replica=64, steps=None, windows=4,
+        log=print):
+    """Measures kdist then fit; logs a table and returns the summary dict."""
+    engine = engines.create_engine(replicas)
+    global_batch = batch_size_per_replica * engine.num_replicas
+    steps = data.steps_per_epoch(len(dataset.train_images), global_batch, steps)
+    log(f"{engine.backend} {engine.version}, {engine.num_replicas} replica(s), global batch "
+        f"{global_batch}, {steps} steps per epoch, 1 + {windows} epochs each, "
+        f"data {dataset.source}")
+    mine = measure_kdist(engine, dataset, global_batch, steps, windows)
+    theirs = measure_fit(engine, dataset, global_batch, steps, windows)
+    summary = dict(backend=engine.backend, replicas=engine.num_replicas,
+                   global_batch=global_batch, steps=steps,
+                   kdist_samples_per_sec=round(mine["samples_per_sec"]),
+                   fit_samples_per_sec=round(theirs["samples_per_sec"]),
+                   ratio=round(mine["samples_per_sec"] / theirs["samples_per_sec"], 3),
+                   first_epoch_seconds=round(mine["first_epoch_seconds"], 2),
+                   fit_first_epoch_seconds=round(theirs["first_epoch_seconds"], 2),
+                   eval_seconds=round(mine["eval_seconds"], 2),
+                   fit_eval_seconds=round(theirs["eval_seconds"], 2),
+                   peak_rss_mb=round(mine["peak_rss_mb"]))
+    log(format_table(mine, theirs))
+    log(json.dumps(summary))
+    return summary
+
+
+def format_table(mine, theirs):
+    rows = [("train samples/s (median)", "samples_per_sec", "{:,.0f}"),
+            ("first epoch s (compiles)", "first_epoch_seconds", "{:.2f}"),
+            ("eval s (test set)", "eval_seconds", "{:.2f}"),
+            ("peak RSS MB (process)", "peak_rss_mb", "{:,.0f}")]
+    lines = [f"{'':26}{'kdist':>10}{'fit':>10}{'kdist/fit':>11}"]
+    for label, key, fmt in rows:
+        ratio = mine[key] / theirs[key] if theirs[key] else float("nan")
+        lines.append(f"{label:26}{fmt.format(mine[key]):>10}{fmt.format(theirs[key]):>10}"
+                     f"{ratio:>10.2f}x")
+    return "\n".join(lines)
