@@ -150,3 +150,18 @@ def test_progress_bar_shows_in_a_terminal_and_not_with_quiet(tmp_path):
     assert "\u2501" in shown and "samples/s:" in shown
     quiet = run_in_terminal("--quiet")
     assert "\u2501" not in quiet and "Epoch 1/1" in quiet
+
+
+def test_bench_runs_briefly_and_ends_with_its_json_line():
+    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic", "--replicas", "2",
+                    "--batch-size-per-replica", "8", "--steps", "3", "--windows", "2")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[1].split() == ["kdist", "fit", "kdist/fit"]
+    summary = json.loads(lines[-1])
+    for key in ("backend", "replicas", "kdist_samples_per_sec", "fit_samples_per_sec",
+                "ratio", "first_epoch_seconds", "peak_rss_mb"):
+        assert key in summary
+    assert summary["replicas"] == 2 and summary["kdist_samples_per_sec"] > 0
+    ratio = summary["kdist_samples_per_sec"] / summary["fit_samples_per_sec"]
+    assert abs(summary["ratio"] - ratio) < 0.01  # Rounded samples/s, exact ratio.
