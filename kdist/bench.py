@@ -30,7 +30,7 @@ def summarize_epochs(seconds, samples_per_epoch):
                 samples_per_sec=statistics.median(samples_per_epoch / s for s in seconds[1:]))
 
 
-def measure_kdist(engine, dataset, global_batch, steps, windows):
+def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution):
     keras.utils.set_random_seed(0)
     model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
     engine.prepare(model, optimizer, global_batch, losses.sparse_categorical_crossentropy)
@@ -39,10 +39,11 @@ def measure_kdist(engine, dataset, global_batch, steps, windows):
         start = time.perf_counter()
         batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
                                      seed=0, epoch=epoch, steps=steps)
-        training.run_steps(engine, engine.train_step, batches)  # Ends with host values.
+        training.run_steps(engine, engine.train_step, batches,  # Ends with host values.
+                           steps_per_execution=steps_per_execution)
         seconds.append(time.perf_counter() - start)
     evaluate_seconds = _time_twice(lambda: training.evaluate(
-        engine, dataset.test_images, dataset.test_labels, global_batch))
+        engine, dataset.test_images, dataset.test_labels, global_batch, steps_per_execution))
     return dict(summarize_epochs(seconds, steps * global_batch),
                 eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
 
@@ -61,6 +62,23 @@ class _EpochTimes(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
+class _BlockEachBatch(keras.callbacks.Callback):
+    """Waits for each batch's results: keeps Keras fit/evaluate on JAX alive.
+
+    With several forced CPU devices, Keras' asynchronous JAX loop lets
+    programs queue up and XLA's all-reduce rendezvous deadlocks (4 of 4
+    `bench.py --replicas 2 --batch-size-per-replica 8` runs aborted without
+    this). kdist's engine blocks on each call for the same reason.
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        import jax
+
+        jax.block_until_ready(logs)
+
+    on_test_batch_end = on_train_batch_end
+
+
 def measure_fit(engine, dataset, global_batch, steps, windows):
     keras.utils.set_random_seed(0)
     with engine.scope():
@@ -70,10 +88,13 @@ def measure_fit(engine, dataset, global_batch, steps, windows):
                       metrics=["accuracy"])
     count = steps * global_batch
     times = _EpochTimes()
+    blocking = [_BlockEachBatch()] if engine.backend == "jax" and engine.num_replicas > 1 else []
     model.fit(dataset.train_images[:count], dataset.train_labels[:count],
-              batch_size=global_batch, epochs=1 + windows, callbacks=[times], verbose=0)
+              batch_size=global_batch, epochs=1 + windows, callbacks=[times] + blocking,
+              verbose=0)
     evaluate_seconds = _time_twice(lambda: model.evaluate(
-        dataset.test_images, dataset.test_labels, batch_size=global_batch, verbose=0))
+        dataset.test_images, dataset.test_labels, batch_size=global_batch, verbose=0,
+        callbacks=blocking))
     return dict(summarize_epochs(times.seconds, count),
                 eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
 
@@ -86,17 +107,19 @@ def _time_twice(fn):
 
 
 def run(dataset, replicas=None, batch_size_per_replica=64, steps=None, windows=4,
-        log=print):
+        steps_per_execution=8, log=print):
     """Measures kdist then fit; logs a table and returns the summary dict."""
     engine = engines.create_engine(replicas)
     global_batch = batch_size_per_replica * engine.num_replicas
     steps = data.steps_per_epoch(len(dataset.train_images), global_batch, steps)
     log(f"{engine.backend} {engine.version}, {engine.num_replicas} replica(s), global batch "
-        f"{global_batch}, {steps} steps per epoch, 1 + {windows} epochs each, "
+        f"{global_batch}, {steps} steps per epoch, 1 + {windows} epochs each, kdist "
+        f"--steps-per-execution {steps_per_execution}, "
         f"data {dataset.source}")
-    mine = measure_kdist(engine, dataset, global_batch, steps, windows)
+    mine = measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution)
     theirs = measure_fit(engine, dataset, global_batch, steps, windows)
     summary = dict(backend=engine.backend, replicas=engine.num_replicas,
+                   steps_per_execution=steps_per_execution,
                    global_batch=global_batch, steps=steps,
                    kdist_samples_per_sec=round(mine["samples_per_sec"]),
                    fit_samples_per_sec=round(theirs["samples_per_sec"]),

@@ -69,6 +69,9 @@ def train_parser():
     parser.add_argument("--steps-per-epoch", type=_positive(int), default=None,
                         help="train on only the first N global batches of each epoch "
                              "(default: the whole epoch)")
+    parser.add_argument("--steps-per-execution", type=_positive(int), default=8,
+                        help="train steps run by one compiled call; statistics come back "
+                             "once per call (default: %(default)s)")
     parser.add_argument("--metrics-file", default=None,
                         help="append one JSON object per epoch (and one for the restored "
                              "model) to this file")
@@ -117,6 +120,7 @@ def main(argv=None):
         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
         keep=args.keep, resume=args.resume, seed=args.seed,
         steps_per_epoch=args.steps_per_epoch, metrics_file=args.metrics_file,
+        steps_per_execution=args.steps_per_execution,
         progress=sys.stdout.isatty() and not args.quiet)
     stop = kdist.StopRequest()
     try:
@@ -167,6 +171,8 @@ def bench_main(argv=None):
                         help="examples per replica per step (default: %(default)s)")
     parser.add_argument("--steps", type=_positive(int), default=None,
                         help="steps per timed epoch (default: a whole epoch)")
+    parser.add_argument("--steps-per-execution", type=_positive(int), default=8,
+                        help="kdist's train steps per compiled call (default: %(default)s)")
     parser.add_argument("--windows", type=_positive(int), default=4,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
@@ -177,7 +183,7 @@ def bench_main(argv=None):
 
     try:
         bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
-                  args.windows, log=_log)
+                  args.windows, args.steps_per_execution, log=_log)
     except kdist.UsageError as e:
         parser.error(str(e))
     except (kdist.DataError, ValueError) as e:

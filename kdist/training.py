@@ -7,11 +7,13 @@ The engine (`kdist.engines`) is the only backend-specific piece.
 """
 
 import dataclasses
+import itertools
 import math
 import os
 import time
 
 import keras
+import numpy as np
 
 from kdist import checkpoints, data, engines, losses, reporting
 from kdist.model import create_model
@@ -32,6 +34,7 @@ class TrainConfig:
     resume: bool = True
     seed: int = 0
     steps_per_epoch: int | None = None  # None: the whole epoch.
+    steps_per_execution: int = 8  # Train steps per compiled call (see README).
     metrics_file: str | None = None
     progress: bool = False
 
@@ -71,34 +74,47 @@ def zero_totals():
     return dict(loss_sum=0.0, correct=0.0, count=0.0)
 
 
-def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None):
+def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
+              steps_per_execution=1):
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
-    Stops early after the step during which `stop` became true. Returns
-    (totals, number of steps run).
+    Batches go to the engine in chunks of `steps_per_execution`, one compiled
+    call each; statistics come back once per chunk and are then accounted
+    step by step (`on_step(steps done, step stats, totals)`). Stops after the
+    chunk during which `stop` became true. Returns (totals, steps run).
     """
     totals = zero_totals() if totals is None else dict(totals)
     done = 0
-    for batch in batches:
-        if len(batch[0]) % engine.num_replicas:
-            raise UsageError(f"a batch of {len(batch[0])} does not split evenly across "
-                             f"{engine.num_replicas} replicas; use a global batch size "
-                             f"that is a multiple of {engine.num_replicas}")
-        stats = step_fn(engine.distribute(batch))
-        for key in totals:
-            totals[key] += float(stats[key])
-        done += 1
-        if on_step is not None:
-            on_step(done, stats, totals)
+    for chunk in _chunks(batches, steps_per_execution):
+        for batch in chunk:
+            if len(batch[0]) % engine.num_replicas:
+                raise UsageError(f"a batch of {len(batch[0])} does not split evenly across "
+                                 f"{engine.num_replicas} replicas; use a global batch size "
+                                 f"that is a multiple of {engine.num_replicas}")
+        per_step = {k: np.asarray(v) for k, v in step_fn(engine.distribute(chunk)).items()}
+        for i in range(len(chunk)):
+            stats = {k: float(v[i]) for k, v in per_step.items()}
+            for key in totals:
+                totals[key] += stats[key]
+            done += 1
+            if on_step is not None:
+                on_step(done, stats, totals)
         if stop:
             break
     return totals, done
 
 
-def evaluate(engine, images, labels, global_batch_size):
+def _chunks(iterable, size):
+    iterator = iter(iterable)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
+
+
+def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
     """(loss, accuracy %) over every example of (images, labels)."""
     totals, _ = run_steps(engine, engine.eval_step,
-                          data.eval_batches(images, labels, global_batch_size))
+                          data.eval_batches(images, labels, global_batch_size),
+                          steps_per_execution=steps_per_execution)
     return summarize(totals)
 
 
@@ -140,7 +156,8 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
                               "same command to resume")
 
     latest = run.manager.latest()
-    restored = evaluate_checkpoint(latest[0], dataset, model_fn, loss_fn, run.global_batch)
+    restored = evaluate_checkpoint(latest[0], dataset, model_fn, loss_fn, run.global_batch,
+                                   config.steps_per_execution)
     log(f"Accuracy after restoring {latest[0]} without distribution: "
         f"{restored['test_accuracy']:.2f}%")
     metrics.restored(restored)
@@ -178,14 +195,20 @@ class _Run:
             seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
         totals, done = run_steps(self.engine, self.engine.train_step, batches, totals,
-                                 on_step, stop)
+                                 on_step, stop, self.config.steps_per_execution)
         if stop and first_step + done < self.steps:
             path = self.save(epoch, first_step + done, totals, self.position["history"])
             raise Interrupted(f"{stop.signal_name}: stopped at epoch {epoch + 1}, step "
                               f"{first_step + done}; saved {path}; run the same command "
                               "to resume")
-        return _epoch_record(self.engine, self.dataset, epoch, totals, self.global_batch,
-                             done, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        train_loss, train_accuracy = summarize(totals)
+        test_loss, test_accuracy = evaluate(
+            self.engine, self.dataset.test_images, self.dataset.test_labels,
+            self.global_batch, self.config.steps_per_execution)
+        return dict(epoch=epoch + 1, train_loss=train_loss, train_accuracy=train_accuracy,
+                    test_loss=test_loss, test_accuracy=test_accuracy, seconds=seconds,
+                    samples_per_sec=done * self.global_batch / seconds)
 
     def save(self, epoch, step_in_epoch, totals, history):
         """Checkpoints the position `step_in_epoch` steps into epoch `epoch` (0-based)."""
@@ -241,23 +264,15 @@ def _step_callback(config, epoch, first_step, steps, global_batch):
     return on_step
 
 
-def _epoch_record(engine, dataset, epoch, totals, global_batch, steps_run, seconds):
-    train_loss, train_accuracy = summarize(totals)
-    test_loss, test_accuracy = evaluate(
-        engine, dataset.test_images, dataset.test_labels, global_batch)
-    return dict(epoch=epoch + 1, train_loss=train_loss, train_accuracy=train_accuracy,
-                test_loss=test_loss, test_accuracy=test_accuracy, seconds=seconds,
-                samples_per_sec=steps_run * global_batch / seconds)
-
-
 def evaluate_checkpoint(path, dataset, model_fn=create_model,
-                        loss_fn=losses.sparse_categorical_crossentropy, batch_size=64):
+                        loss_fn=losses.sparse_categorical_crossentropy, batch_size=64,
+                        steps_per_execution=8):
     """Restores `path` into a fresh model with no distribution and evaluates it."""
     engine = engines.create_engine(distributed=False)
     model, _ = build(engine, model_fn, None, None)
     checkpoints.restore(model, path)
     engine.prepare(model, None, batch_size, loss_fn)
     test_loss, test_accuracy = evaluate(
-        engine, dataset.test_images, dataset.test_labels, batch_size)
+        engine, dataset.test_images, dataset.test_labels, batch_size, steps_per_execution)
     return dict(restored=True, checkpoint=path, test_loss=test_loss,
                 test_accuracy=test_accuracy)

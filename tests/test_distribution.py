@@ -19,9 +19,10 @@ def weights_after_one_step(batch, replicas, distributed=True):
     model, optimizer = training.build(engine, create_model, sgd, 0.5)
     before = [np.array(w) for w in model.get_weights()]
     engine.prepare(model, optimizer, len(batch[0]), losses.sparse_categorical_crossentropy)
-    stats = engine.train_step(engine.distribute(batch))
+    stats = engine.train_step(engine.distribute([batch]))
     engine.sync_to_model()
-    return before, [np.array(w) for w in model.get_weights()], stats
+    return before, [np.array(w) for w in model.get_weights()], \
+        {k: float(np.asarray(v)[0]) for k, v in stats.items()}
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
@@ -55,16 +56,17 @@ def test_a_doubled_loss_scale_would_be_caught(batch):
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_batches_are_split_across_replicas(batch, replicas):
     engine = engines.create_engine(replicas)
-    distributed = engine.distribute(batch)
+    distributed = engine.distribute([batch, batch])  # A chunk of two steps.
     if engine.backend == "jax":
-        images = distributed[0]
-        assert tuple(images.sharding.spec) == ("batch", None, None, None)
+        images = distributed[0]  # Stacked: (steps, batch, 28, 28, 1).
+        assert tuple(images.sharding.spec)[:2] == (None, "batch")
         shards = images.addressable_shards
         assert len({s.device for s in shards}) == replicas
-        assert [s.data.shape[0] for s in shards] == [32 // replicas] * replicas
-        np.testing.assert_array_equal(np.asarray(images), batch[0])
+        assert [s.data.shape[:2] for s in shards] == [(2, 32 // replicas)] * replicas
+        np.testing.assert_array_equal(np.asarray(images)[1], batch[0])
     else:
-        parts = distributed[0].values
+        assert len(distributed) == 2
+        parts = distributed[0][0].values
         assert len({p.device for p in parts}) == replicas
         assert [p.shape[0] for p in parts] == [32 // replicas] * replicas
         np.testing.assert_array_equal(np.concatenate([p.numpy() for p in parts]), batch[0])
@@ -92,7 +94,8 @@ def test_evaluation_counts_every_example_once(small_dataset, replicas):
     engine.prepare(model, None, global_batch, losses.sparse_categorical_crossentropy)
     images, labels = small_dataset.test_images, small_dataset.test_labels
     totals, _ = training.run_steps(engine, engine.eval_step,
-                                   data.eval_batches(images, labels, global_batch))
+                                   data.eval_batches(images, labels, global_batch),
+                                   steps_per_execution=3)  # Chunks of 3, a shorter last one.
     logits = np.asarray(model(images, training=False))
     assert totals["count"] == 1001
     assert totals["correct"] == float((logits.argmax(-1) == labels).sum())
@@ -110,3 +113,24 @@ def test_batch_that_does_not_split_across_replicas_is_a_clear_error(batch):
     odd = tuple(a[:30] for a in batch)
     with pytest.raises(engines.UsageError, match="30 does not split evenly across 4"):
         training.run_steps(engine, engine.eval_step, [odd])
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_chunked_steps_match_single_steps(small_dataset, replicas):
+    def weights(steps_per_execution):
+        engine = engines.create_engine(replicas)
+        keras.utils.set_random_seed(3)
+        model, optimizer = training.build(engine, create_model, sgd, 0.5)
+        engine.prepare(model, optimizer, 32, losses.sparse_categorical_crossentropy)
+        batches = data.train_batches(small_dataset.train_images, small_dataset.train_labels,
+                                     32, seed=0, epoch=0, steps=5)
+        totals, done = training.run_steps(engine, engine.train_step, batches,
+                                          steps_per_execution=steps_per_execution)
+        engine.sync_to_model()
+        return [np.array(w) for w in model.get_weights()], totals, done
+
+    single, single_totals, _ = weights(1)
+    chunked, chunked_totals, done = weights(4)  # One chunk of 4, then one of 1.
+    assert done == 5 and chunked_totals["count"] == single_totals["count"] == 160
+    for a, b in zip(single, chunked):
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)

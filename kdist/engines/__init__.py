@@ -1,9 +1,11 @@
 """One small module per backend behind one narrow interface.
 
 An engine has `num_replicas`, `devices`, `scope()`, `prepare(model,
-optimizer, global_batch_size, loss_fn)`, `distribute(numpy_batch)`,
-`train_step(batch)`, `eval_step(batch)` and `sync_to_model()`. Steps return
-the dict of `kdist.losses.batch_statistics`, summed over replicas.
+optimizer, global_batch_size, loss_fn)`, `distribute(chunk)` (a list of K
+global numpy batches), `train_step(chunk)`, `eval_step(chunk)` and
+`sync_to_model()`. A step call runs the K steps in one compiled call and
+returns the dict of `kdist.losses.batch_statistics`, summed over replicas,
+as arrays of shape (K,): one value per step.
 """
 
 import importlib

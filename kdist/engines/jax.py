@@ -4,6 +4,8 @@ import contextlib
 
 import jax
 import keras
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from kdist import losses
 from kdist.startup import UsageError
@@ -82,43 +84,50 @@ class Engine:
         def eval_step(state, batch):
             trainable, non_trainable, _ = state
             _, (stats, _) = compute(trainable, non_trainable, batch, False)
-            return stats
+            return state, stats
 
-        self._train_step = jax.jit(train_step, donate_argnums=0)
-        self._eval_step = jax.jit(eval_step)
+        self._train_steps = jax.jit(_unrolled(train_step), donate_argnums=0)
+        self._eval_steps = jax.jit(_unrolled(eval_step))
 
     def _read_state(self):
         opt_vars = self.optimizer.variables if self.optimizer is not None else []
         self.state = tuple([v.value for v in vs] for vs in (
             self.model.trainable_variables, self.model.non_trainable_variables, opt_vars))
 
-    def distribute(self, batch):
-        """Shards one global numpy batch along axis 0 over the mesh.
+    def distribute(self, chunk):
+        """Stacks a chunk of global numpy batches to (K, batch, ...) arrays and
+        shards them along the batch axis (`P(None, 'batch')`) over the mesh.
 
         `make_array_from_process_local_data` takes this process's part of the
-        global batch, so the same call serves one or many processes.
+        global batches, so the same call serves one or many processes.
         """
+        stacked = [np.stack(parts) for parts in zip(*chunk)]
         if self.distribution is None:
-            return tuple(jax.numpy.asarray(a) for a in batch)
-        return tuple(
-            jax.make_array_from_process_local_data(
-                self.distribution.get_data_layout(a.shape).backend_layout, a)
-            for a in batch)
+            return tuple(jax.numpy.asarray(a) for a in stacked)
+        mesh = self.distribution.device_mesh.backend_mesh
+        sharding = NamedSharding(mesh, PartitionSpec(None, self.distribution.batch_dim_name))
+        return tuple(jax.make_array_from_process_local_data(sharding, a) for a in stacked)
 
-    def train_step(self, batch):
-        """One optimizer step; blocks until done.
+    def train_step(self, chunk):
+        """Runs the chunk's optimizer steps in one compiled call; blocks until done.
 
-        Blocking on every step's result keeps one multi-device all-reduce in
-        flight at a time: on a CPU with forced host devices, letting steps
+        Blocking on every call's result keeps one multi-device program in
+        flight at a time: on a CPU with forced host devices, letting calls
         queue up can deadlock XLA's all-reduce rendezvous ("RendezvousKey ...
-        may be stuck").
+        may be stuck"). Within one call the steps' all-reduces run in order.
         """
-        self.state, stats = self._train_step(self.state, batch)
+        self.state, stats = self._train_steps(self.state, chunk)
         jax.block_until_ready(self.state)
         return stats
 
-    def eval_step(self, batch):
-        return self._eval_step(self.state, batch)
+    def eval_step(self, chunk):
+        """The chunk's eval steps; blocks on every device (see `train_step`).
+
+        Reading a replicated result on the host waits for one device only, so
+        the block is explicit here too.
+        """
+        _, stats = self._eval_steps(self.state, chunk)
+        return jax.block_until_ready(stats)
 
     def sync_to_model(self):
         """Writes the functional state back into the Keras variables."""
@@ -128,3 +137,20 @@ class Engine:
         for variables, values in zip(variable_lists, self.state):
             for variable, value in zip(variables, values):
                 variable.assign(value)
+
+
+def _unrolled(step):
+    """(state, stacked chunk) -> (state, stats stacked per step), a step per batch.
+
+    A Python loop, unrolled when traced: on XLA:CPU this runs about twice as
+    fast as one call per step, and faster than `lax.scan` over the chunk.
+    """
+
+    def steps(state, chunk):
+        per_step = []
+        for k in range(chunk[0].shape[0]):
+            state, stats = step(state, tuple(a[k] for a in chunk))
+            per_step.append(stats)
+        return state, {key: jax.numpy.stack([s[key] for s in per_step]) for key in per_step[0]}
+
+    return steps

@@ -94,18 +94,29 @@ class Engine:
         self._eval_step = self._distributed(replica_eval_step)
 
     def _distributed(self, replica_fn):
+        """A tf.function running `replica_fn` on every batch of a chunk in turn.
+
+        The Python loop is unrolled when traced: one call per chunk of K steps
+        (a new chunk length traces once more).
+        """
         strategy = self.strategy
 
         @tf.function
-        def step(batch):
-            stats = strategy.run(replica_fn, args=batch)
-            return {k: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
-                    for k, v in stats.items()}
+        def steps(chunk):
+            per_step = []
+            for batch in chunk:
+                stats = strategy.run(replica_fn, args=batch)
+                per_step.append({k: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None)
+                                 for k, v in stats.items()})
+            return {k: tf.stack([s[k] for s in per_step]) for k in per_step[0]}
 
-        return step
+        return steps
 
-    def distribute(self, batch):
-        """Places one global numpy batch on the replicas, split along axis 0."""
+    def distribute(self, chunk):
+        """Places each global numpy batch of a chunk on the replicas, split along axis 0."""
+        return tuple(self._distribute_one(batch) for batch in chunk)
+
+    def _distribute_one(self, batch):
         per_replica = len(batch[0]) // self.num_replicas
 
         def value_fn(ctx):
@@ -116,12 +127,12 @@ class Engine:
 
         return self.strategy.experimental_distribute_values_from_function(value_fn)
 
-    def train_step(self, batch):
-        """One optimizer step on a distributed batch; returns summed statistics."""
-        return self._train_step(batch)
+    def train_step(self, chunk):
+        """The chunk's optimizer steps; returns each step's summed statistics."""
+        return self._train_step(chunk)
 
-    def eval_step(self, batch):
-        return self._eval_step(batch)
+    def eval_step(self, chunk):
+        return self._eval_step(chunk)
 
     def sync_to_model(self):
         """Variables are updated in place on TF: nothing to write back."""
