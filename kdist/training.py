@@ -44,6 +44,14 @@ def adam(learning_rate):
     return keras.optimizers.Adam(learning_rate)
 
 
+def sgd(learning_rate):
+    """Plain SGD: its step is linear in the gradient, so tests can compare runs exactly."""
+    return keras.optimizers.SGD(learning_rate)
+
+
+OPTIMIZERS = {"adam": adam, "sgd": sgd}
+
+
 def build(engine, model_fn, optimizer_fn, learning_rate):
     """Creates model and optimizer in the engine's scope.
 
@@ -80,9 +88,9 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None):
     totals = zero_totals() if totals is None else dict(totals)
     done = 0
     for batch in batches:
-        if len(batch[0]) % engine.num_replicas:
+        if len(batch[0]) % engine.num_local_replicas:
             raise UsageError(f"a batch of {len(batch[0])} does not split evenly across "
-                             f"{engine.num_replicas} replicas; use a global batch size "
+                             f"{engine.num_local_replicas} replicas; use a global batch size "
                              f"that is a multiple of {engine.num_replicas}")
         stats = step_fn(engine.distribute(batch))
         for key in totals:
@@ -98,7 +106,8 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None):
 def evaluate(engine, images, labels, global_batch_size):
     """(loss, accuracy %) over every example of (images, labels)."""
     totals, _ = run_steps(engine, engine.eval_step,
-                          data.eval_batches(images, labels, global_batch_size))
+                          data.eval_batches(images, labels, global_batch_size,
+                                            shard=engine.shard))
     return summarize(totals)
 
 
@@ -123,7 +132,10 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
         raise UsageError(f"{len(dataset.train_images)} training examples make no full "
                          f"global batch of {global_batch}; lower --batch-size-per-replica")
     manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
-    manager.prepare()
+    if engine.is_chief:
+        manager.prepare()
+    else:
+        log = _quiet  # Only the chief reports; every worker trains alike.
 
     keras.utils.set_random_seed(config.seed)
     model, optimizer = build(engine, model_fn, optimizer_fn, config.learning_rate)
@@ -132,7 +144,8 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
 
     def save(epoch, step_in_epoch, totals, history):
         engine.sync_to_model()
-        return manager.save(model, step=epoch * steps + step_in_epoch, metadata=dict(
+        target = manager if engine.is_chief else checkpoints.DiscardingManager()
+        return target.save(model, step=epoch * steps + step_in_epoch, metadata=dict(
             epoch=epoch, step_in_epoch=step_in_epoch, totals=totals, history=history,
             seed=config.seed, backend=engine.backend, replicas=engine.num_replicas,
             global_batch_size=global_batch, steps_per_epoch=steps))
@@ -140,6 +153,9 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     log(f"Training on {engine.backend} with {engine.num_replicas} replica(s) "
         f"{engine.devices}: global batch {global_batch}, {steps} steps per epoch, "
         f"data {dataset.source}")
+    if engine.shard[1] > 1:
+        log(f"Chief of {engine.shard[1]} workers: each reads {global_batch // engine.shard[1]} "
+            "examples of every global batch; checkpoints and metrics are written here")
     history = position["history"]
     for epoch in range(position["epoch"], config.epochs):
         first_step = position["step_in_epoch"] if epoch == position["epoch"] else 0
@@ -147,7 +163,7 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
         start = time.perf_counter()
         batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
                                      seed=config.seed, epoch=epoch, steps=steps,
-                                     start_step=first_step)
+                                     start_step=first_step, shard=engine.shard)
         totals, done = run_steps(engine, engine.train_step, batches, totals,
                                  _step_callback(config, epoch, first_step, steps), stop)
         if stop and first_step + done < steps:
@@ -159,14 +175,14 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
                                done, time.perf_counter() - start)
         history.append(record)
         log(format_epoch(record, config.epochs))
-        _append_metrics(config.metrics_file, record)
+        _append_metrics(config.metrics_file if engine.is_chief else None, record)
         if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stop:
             log(f"Saved checkpoint {save(epoch + 1, 0, None, history)}")
         if stop:
             raise Interrupted(f"{stop.signal_name}: stopped after epoch {epoch + 1}; run the "
                               "same command to resume")
 
-    latest = manager.latest()
+    latest = manager.latest() if engine.is_chief else None  # Others may not see it yet.
     if latest is None:
         return {"history": history, "restored": None}
     restored = evaluate_checkpoint(latest[0], dataset, model_fn, loss_fn, global_batch)
@@ -174,6 +190,10 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
         f"{restored['test_accuracy']:.2f}%")
     _append_metrics(config.metrics_file, restored)
     return {"history": history, "restored": restored}
+
+
+def _quiet(line):
+    """The log of a worker other than the chief."""
 
 
 def _resume_position(config, manager, model, log):
