@@ -20,8 +20,8 @@ import contextlib
 import dataclasses
 import json
 import os
+import subprocess
 import sys
-import threading
 
 from kdist.startup import UsageError
 
@@ -137,27 +137,40 @@ def _from_jax_variables(environ):
     return _check(num_workers, number(JAX_VARIABLES[2]), addresses, "KERAS_DISTRIBUTION_*")
 
 
+_WATCHDOG = """
+import os, sys, time
+parent, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    time.sleep(0.2)
+    if os.getppid() != parent:  # The worker is gone: nothing to stop.
+        sys.exit(0)
+sys.stderr.write(sys.argv[3] + "\\n")
+sys.stderr.flush()
+os.kill(parent, 9)
+"""
+
+
 @contextlib.contextmanager
-def connect_deadline(spec, stream=None):
-    """Ends the process with a one-line error if the block outlasts the timeout.
+def connect_deadline(spec):
+    """Ends this process with a one-line error if the block outlasts the timeout.
 
-    Connecting blocks in native code (TF waits for every worker to register,
-    JAX for the coordinator) that cannot be interrupted from Python, and JAX
-    aborts with a stack trace when its own timeout expires. A timer thread
-    ends the process cleanly first: message, exit status 1.
+    Connecting blocks in native code that Python cannot interrupt: TF's
+    MultiWorkerMirroredStrategy waits for every worker forever, holding the
+    GIL (so no Python thread or signal handler runs) and catching SIGTERM;
+    JAX aborts with a C++ stack trace after its own timeout. So a small
+    watchdog process prints the error and kills the worker (exit status 137);
+    it is stopped as soon as the block ends.
     """
-    def expire():
-        others = ", ".join(a for i, a in enumerate(spec.addresses) if i != spec.worker_index)
-        print(f"error: worker {spec.worker_index} of {spec.num_workers} could not reach "
-              f"its peers ({others or spec.coordinator}) within {spec.connect_timeout:g} s; "
-              "start every worker with the same addresses, check that the ports are "
-              "open, or raise --connect-timeout", file=stream or sys.stderr, flush=True)
-        os._exit(1)
-
-    timer = threading.Timer(spec.connect_timeout, expire)
-    timer.daemon = True
-    timer.start()
+    others = ", ".join(a for i, a in enumerate(spec.addresses) if i != spec.worker_index)
+    message = (f"error: worker {spec.worker_index} of {spec.num_workers} could not reach its "
+               f"peers ({others or spec.coordinator}) within {spec.connect_timeout:g} s; start "
+               "every worker with the same addresses, check that the ports are open, or "
+               "raise --connect-timeout")
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(spec.connect_timeout), message],
+        stdin=subprocess.DEVNULL)
     try:
         yield
     finally:
-        timer.cancel()
+        watchdog.kill()
+        watchdog.wait(timeout=30)
