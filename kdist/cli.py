@@ -50,7 +50,7 @@ def train_parser():
                         help="examples per replica per step; the global batch is this "
                              "times the replica count (default: %(default)s)")
     parser.add_argument("--learning-rate", type=_positive(float), default=1e-3,
-                        help="Adam learning rate (default: %(default)s)")
+                        help="learning rate of --optimizer (default: %(default)s)")
     parser.add_argument("--replicas", type=_positive(int), default=None,
                         help="data-parallel replicas (default: every visible device; on a "
                              "CPU-only machine N splits the CPU into N devices)")
