@@ -168,15 +168,19 @@ def main(argv=None):
     def on_signal(signum, frame):  # SIGTERM like Ctrl-C: every worker checkpoints and stops.
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_signal)
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, on_signal)
     try:
         return supervise(workers, args.timeout, args.grace)
     except KeyboardInterrupt:
+        for s in previous:  # Further signals must not cut the bounded clean-up short.
+            signal.signal(s, signal.SIG_IGN)
         for worker in workers:
             worker.stop(args.grace)
         print("launch: interrupted; stopped every worker", file=sys.stderr)
         return 130
     finally:
-        signal.signal(signal.SIGTERM, previous)
         for worker in workers:  # Nothing outlives the launcher.
             worker.stop(args.grace)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

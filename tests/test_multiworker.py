@@ -112,9 +112,11 @@ def alive(pid):
         return f.read().split(") ")[1][0] != "Z"
 
 
-def test_a_killed_worker_stops_the_launcher_and_every_worker(tmp_path):
+def launch_long_run(tmp_path, act):
+    """Starts 2 workers on a long run, calls act(launcher, worker pids) once the chief
+    trains; returns (launcher exit status, its stderr, worker pids)."""
     proc = subprocess.Popen(
-        [sys.executable, LAUNCH, "--workers", "2", "--timeout", "200", "--",
+        [sys.executable, LAUNCH, "--workers", "2", "--timeout", "200", "--grace", "10", "--",
          "--synthetic", "--epochs", "100", "--batch-size-per-replica", "8", "--quiet",
          "--checkpoint-dir", str(tmp_path / "ckpt")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(tmp_path))
@@ -122,15 +124,28 @@ def test_a_killed_worker_stops_the_launcher_and_every_worker(tmp_path):
         lines = Lines(proc.stdout)
         pids = [int(lines.wait_for(f"launch: worker {i} pid").split()[4]) for i in (0, 1)]
         lines.wait_for("[worker 0] Training on ")
-        os.kill(pids[1], signal.SIGKILL)
+        act(proc, pids)
         err = proc.stderr.read()  # Ends when the launcher exits.
-        assert proc.wait(timeout=60) == 128 + signal.SIGKILL
+        return proc.wait(timeout=60), err, pids
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def test_a_killed_worker_stops_the_launcher_and_every_worker(tmp_path):
+    status, err, pids = launch_long_run(tmp_path, lambda proc, pids: os.kill(pids[1], 9))
+    assert status == 128 + signal.SIGKILL
     assert err.startswith(f"launch: error: worker 1 exited with status {128 + 9}")
     assert not [pid for pid in pids if alive(pid)]
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_stops_every_worker(tmp_path):
+    status, err, pids = launch_long_run(
+        tmp_path, lambda proc, pids: proc.send_signal(signal.SIGTERM))
+    assert status == 130 and "launch: interrupted; stopped every worker" in err
+    assert not [pid for pid in pids if alive(pid)]
+    assert os.listdir(tmp_path / "ckpt")  # The chief's stop checkpoint.
 
 
 @pytest.mark.parametrize("index", [0, 1])
