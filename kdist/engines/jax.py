@@ -17,8 +17,9 @@ def connect(spec, replicas=None):
 
     `keras.distribution.initialize` wraps `jax.distributed.initialize`
     (worker 0 is the coordinator) and must precede any other JAX use. On CPUs
-    the cross-process collectives are gloo's, JAX's default since 0.4.36;
-    it is set here so that an older default cannot silently break them.
+    the cross-process collectives are gloo's: the default of jax 0.10.2, set
+    explicitly because without a CPU collectives implementation a step
+    across processes cannot run.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     keras.distribution.initialize(",".join(spec.addresses), spec.num_workers,
