@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "TrainConfig": "kdist.training",
+    "OPTIMIZERS": "kdist.training",
     "train_and_evaluate": "kdist.training",
     "evaluate_checkpoint": "kdist.training",
     "Interrupted": "kdist.training",

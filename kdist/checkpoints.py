@@ -17,6 +17,8 @@ import glob
 import json
 import os
 import re
+import shutil
+import tempfile
 import warnings
 
 import h5py
@@ -145,3 +147,23 @@ def _fsync_directory(directory):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class DiscardingManager:
+    """Where a worker other than the chief saves: a private folder, removed at once.
+
+    Only the chief writes to --checkpoint-dir, so two workers never write the
+    same file. The others still run the whole save, as TensorFlow's
+    MultiWorkerMirroredStrategy guide prescribes: every worker then executes
+    the same code, and a save that needs the other workers (a collective, as
+    `tf.train.Checkpoint` can) cannot deadlock. Keras' `save_weights` reads
+    each worker's local copy of the (identical) variables and needs no
+    collective, so the copy is only thrown away; it costs one small file write.
+    """
+
+    def save(self, model, step, metadata):
+        folder = tempfile.mkdtemp(prefix=f"kdist-worker-{os.getpid()}-")
+        try:
+            return CheckpointManager(folder, keep=1).save(model, step, metadata)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)

@@ -8,7 +8,7 @@ import signal
 import sys
 
 import kdist
-from kdist import startup
+from kdist import cluster, startup
 
 
 def _positive(kind):
@@ -52,7 +52,7 @@ def train_parser():
                         help="examples per replica per step; the global batch is this "
                              "times the replica count (default: %(default)s)")
     parser.add_argument("--learning-rate", type=_positive(float), default=1e-3,
-                        help="Adam learning rate (default: %(default)s)")
+                        help="learning rate of --optimizer (default: %(default)s)")
     parser.add_argument("--replicas", type=_positive(int), default=None,
                         help="data-parallel replicas (default: every visible device; on a "
                              "CPU-only machine N splits the CPU into N devices)")
@@ -77,8 +77,55 @@ def train_parser():
                              "model) to this file")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (it is also off when stdout is not a terminal)")
+    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
+                        help="adam, or plain sgd (for exact comparisons between runs; "
+                             "--learning-rate applies to either) (default: %(default)s)")
     _add_common(parser)
+    _add_multiworker(parser)
     return parser
+
+
+def _add_multiworker(parser):
+    group = parser.add_argument_group(
+        "several workers", "Run this script once per worker, with the same --peers and each "
+        "its own --worker-index (scripts/launch.py does so on one machine). Without these "
+        "flags, TF_CONFIG (TensorFlow) or KERAS_DISTRIBUTION_JOB_ADDRESSES, "
+        "KERAS_DISTRIBUTION_NUM_PROCESSES and KERAS_DISTRIBUTION_PROCESS_ID (JAX) are read. "
+        "--replicas then counts this worker's devices.")
+    group.add_argument("--peers", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                       help="every worker's address, in worker order; worker 0 is the chief "
+                            "(it alone writes checkpoints and metrics) and JAX's "
+                            "coordinator. JAX needs only worker 0's address")
+    group.add_argument("--workers", type=_positive(int), default=None,
+                       help="number of workers (default: the number of --peers)")
+    group.add_argument("--worker-index", type=int, default=None,
+                       help="this worker's place in --peers, from 0")
+    group.add_argument("--connect-timeout", type=_positive(float), default=120.0,
+                       help="seconds to wait for every worker to join before exiting with "
+                            "an error (default: %(default)s)")
+
+
+def _cluster_spec(parser, args):
+    """This worker's ClusterSpec from the flags or the environment; bad input exits 2."""
+    try:
+        return cluster.from_flags_and_env(args.workers, args.worker_index, args.peers,
+                                          args.connect_timeout,
+                                          backend=startup.selected_backend())
+    except startup.UsageError as e:
+        parser.error(str(e))
+
+
+def _connect(parser, spec, replicas):
+    """Joins the other workers (bounded by --connect-timeout) before anything else runs."""
+    if spec.num_workers == 1:
+        return
+    from kdist import engines
+
+    try:
+        with cluster.connect_deadline(spec):
+            engines.connect(spec, replicas)
+    except startup.UsageError as e:
+        parser.error(str(e))
 
 
 def load_data(args):
@@ -113,7 +160,9 @@ def _start(parser, args, replicas=None):
 def main(argv=None):
     parser = train_parser()
     args = parser.parse_args(argv)
+    spec = _cluster_spec(parser, args)
     _start(parser, args, args.replicas)
+    _connect(parser, spec, args.replicas)
     config = kdist.TrainConfig(
         epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
         learning_rate=args.learning_rate, replicas=args.replicas,
@@ -121,12 +170,13 @@ def main(argv=None):
         keep=args.keep, resume=args.resume, seed=args.seed,
         steps_per_epoch=args.steps_per_epoch, metrics_file=args.metrics_file,
         steps_per_execution=args.steps_per_execution,
-        progress=sys.stdout.isatty() and not args.quiet)
+        progress=sys.stdout.isatty() and not args.quiet and spec.is_chief)
     stop = kdist.StopRequest()
     try:
         dataset = load_data(args)
         with kdist.stop_on_signals(stop):
-            kdist.train_and_evaluate(config, dataset, log=_log, stop=stop)
+            kdist.train_and_evaluate(config, dataset, log=_log, stop=stop,
+                                     optimizer_fn=kdist.OPTIMIZERS[args.optimizer])
     except kdist.Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 128 + getattr(signal, stop.signal_name)

@@ -15,7 +15,11 @@ EPOCH_KEYS = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accura
 def banner(engine, config, global_batch, steps, dataset, checkpoint_note):
     """The lines printed before training: versions, devices, batch, data, checkpoints."""
     devices = ", ".join(str(d).split("device:")[-1] for d in engine.devices)
-    return "\n".join([
+    workers, local = engine.shard[1], global_batch // engine.shard[1]
+    cluster = ([f"Workers: {workers}; this chief and each worker read {local} examples of "
+                "every global batch; checkpoints and metrics are written here"]
+               if workers > 1 else [])
+    return "\n".join(cluster + [
         f"kdist {kdist.__version__}: Keras {keras.__version__} on {engine.backend} "
         f"{engine.version}",
         f"Replicas: {engine.num_replicas} ({devices})",

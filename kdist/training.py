@@ -47,6 +47,14 @@ def adam(learning_rate):
     return keras.optimizers.Adam(learning_rate)
 
 
+def sgd(learning_rate):
+    """Plain SGD: its step is linear in the gradient, so tests can compare runs exactly."""
+    return keras.optimizers.SGD(learning_rate)
+
+
+OPTIMIZERS = {"adam": adam, "sgd": sgd}
+
+
 def build(engine, model_fn, optimizer_fn, learning_rate):
     """Creates model and optimizer in the engine's scope.
 
@@ -86,11 +94,11 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
     totals = zero_totals() if totals is None else dict(totals)
     done = 0
     for chunk in _chunks(batches, steps_per_execution):
-        for batch in chunk:
-            if len(batch[0]) % engine.num_replicas:
+        for batch in chunk:  # This worker's part of a global batch, over its replicas.
+            if len(batch[0]) % engine.num_local_replicas:
                 raise UsageError(f"a batch of {len(batch[0])} does not split evenly across "
-                                 f"{engine.num_replicas} replicas; use a global batch size "
-                                 f"that is a multiple of {engine.num_replicas}")
+                                 f"{engine.num_local_replicas} replicas; use a global batch "
+                                 f"size that is a multiple of {engine.num_replicas}")
         per_step = {k: np.asarray(v) for k, v in step_fn(engine.distribute(chunk)).items()}
         for i in range(len(chunk)):
             stats = {k: float(v[i]) for k, v in per_step.items()}
@@ -113,7 +121,8 @@ def _chunks(iterable, size):
 def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
     """(loss, accuracy %) over every example of (images, labels)."""
     totals, _ = run_steps(engine, engine.eval_step,
-                          data.eval_batches(images, labels, global_batch_size),
+                          data.eval_batches(images, labels, global_batch_size,
+                                            shard=engine.shard),
                           steps_per_execution=steps_per_execution)
     return summarize(totals)
 
@@ -141,8 +150,11 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn)
+    chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
+    if not chief:
+        log = _quiet
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note))
-    metrics = reporting.MetricsWriter(config.metrics_file)
+    metrics = reporting.MetricsWriter(config.metrics_file if chief else None)
     history = run.position["history"]
     for epoch in range(run.position["epoch"], config.epochs):
         record = run.train_epoch(epoch, stop)
@@ -155,6 +167,8 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
             raise Interrupted(f"{stop.signal_name}: stopped after epoch {epoch + 1}; run the "
                               "same command to resume")
 
+    if not chief:  # The chief's checkpoint may not be visible here yet.
+        return {"history": history, "restored": None}
     latest = run.manager.latest()
     restored = evaluate_checkpoint(latest[0], dataset, model_fn, loss_fn, run.global_batch,
                                    config.steps_per_execution)
@@ -178,7 +192,8 @@ class _Run:
                              f"global batch of {self.global_batch}; lower "
                              "--batch-size-per-replica")
         self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
-        self.manager.prepare()
+        if self.engine.is_chief:
+            self.manager.prepare()
         keras.utils.set_random_seed(config.seed)
         self.model, optimizer = build(self.engine, model_fn, optimizer_fn, config.learning_rate)
         self.position, self.note = _resume_position(config, self.manager, self.model)
@@ -192,7 +207,8 @@ class _Run:
         start = time.perf_counter()
         batches = data.train_batches(
             self.dataset.train_images, self.dataset.train_labels, self.global_batch,
-            seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step)
+            seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step,
+            shard=self.engine.shard)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
         totals, done = run_steps(self.engine, self.engine.train_step, batches, totals,
                                  on_step, stop, self.config.steps_per_execution)
@@ -213,12 +229,17 @@ class _Run:
     def save(self, epoch, step_in_epoch, totals, history):
         """Checkpoints the position `step_in_epoch` steps into epoch `epoch` (0-based)."""
         self.engine.sync_to_model()
-        return self.manager.save(
+        manager = self.manager if self.engine.is_chief else checkpoints.DiscardingManager()
+        return manager.save(
             self.model, step=epoch * self.steps + step_in_epoch, metadata=dict(
                 epoch=epoch, step_in_epoch=step_in_epoch, totals=totals, history=history,
                 seed=self.config.seed, backend=self.engine.backend,
                 replicas=self.engine.num_replicas, global_batch_size=self.global_batch,
                 steps_per_epoch=self.steps))
+
+
+def _quiet(line):
+    """The log of a worker other than the chief."""
 
 
 def _resume_position(config, manager, model):

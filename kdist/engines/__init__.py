@@ -6,6 +6,10 @@ global numpy batches), `train_step(chunk)`, `eval_step(chunk)` and
 `sync_to_model()`. A step call runs the K steps in one compiled call and
 returns the dict of `kdist.losses.batch_statistics`, summed over replicas,
 as arrays of shape (K,): one value per step.
+
+With several workers (`connect`), an engine also says where this process
+stands: `shard` = (worker index, worker count) (the slice of every global
+batch it feeds), `num_local_replicas` (its own devices) and `is_chief`.
 """
 
 import importlib
@@ -25,3 +29,18 @@ def create_engine(replicas=None, distributed=True):
                          f"use one of {', '.join(BACKENDS)}")
     module = importlib.import_module(f"kdist.engines.{backend}")
     return module.Engine(replicas=replicas, distributed=distributed)
+
+
+def connect(spec, replicas=None):
+    """Joins the workers of `spec` (a `kdist.cluster.ClusterSpec`) on the active backend.
+
+    Must run first, before any tensor or Keras object exists: TensorFlow's
+    MultiWorkerMirroredStrategy and JAX's distributed runtime both have to be
+    set up before the framework runs anything. Engines created afterwards span
+    every worker's devices. `replicas` is the device count of this worker.
+    """
+    backend = keras.backend.backend()
+    if backend not in BACKENDS:
+        raise UsageError(f"KERAS_BACKEND={backend} is not supported; "
+                         f"use one of {', '.join(BACKENDS)}")
+    importlib.import_module(f"kdist.engines.{backend}").connect(spec, replicas)

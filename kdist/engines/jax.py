@@ -1,4 +1,7 @@
-"""JAX engine: `keras.distribution.DataParallel` over a device mesh (or none)."""
+"""JAX engine: `keras.distribution.DataParallel` over a device mesh (or none).
+
+After `connect` the mesh spans every process's devices (JAX multi-process).
+"""
 
 import contextlib
 
@@ -11,8 +14,27 @@ from kdist import losses
 from kdist.startup import UsageError
 
 
+def connect(spec, replicas=None):
+    """Starts JAX's distributed runtime; blocks until every process has joined.
+
+    `keras.distribution.initialize` wraps `jax.distributed.initialize`
+    (worker 0 is the coordinator) and must precede any other JAX use. On CPUs
+    the cross-process collectives are gloo's: the default of jax 0.10.2, set
+    explicitly because without a CPU collectives implementation a step
+    across processes cannot run.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    keras.distribution.initialize(",".join(spec.addresses), spec.num_workers,
+                                  spec.worker_index)
+
+
 def _replica_devices(replicas):
     devices = keras.distribution.list_devices()
+    if jax.process_count() > 1:  # Every process's devices; `replicas` counts this one's.
+        if replicas not in (None, jax.local_device_count()):
+            raise UsageError(f"--replicas {replicas} but this worker has "
+                             f"{jax.local_device_count()} devices")
+        return devices
     if replicas is None:
         return devices
     if replicas > len(devices):
@@ -44,13 +66,17 @@ class Engine:
             self.distribution = keras.distribution.DataParallel(
                 devices=_replica_devices(replicas))
             self.num_replicas = self.distribution.num_model_replicas
+            self.shard = (jax.process_index(), jax.process_count())
         else:
             self.distribution = None
             self.num_replicas = 1
+            self.shard = (0, 1)
+        self.num_local_replicas = self.num_replicas // self.shard[1]
+        self.is_chief = jax.process_index() == 0
         # Set before any Keras object exists, so variables are laid out on the mesh.
         keras.distribution.set_distribution(self.distribution)
         self.devices = ([str(d) for d in self.distribution.device_mesh.devices.flat]
-                        if self.distribution else [str(jax.devices()[0])])
+                        if self.distribution else [str(jax.local_devices()[0])])
 
     def scope(self):
         """Context in which the model, optimizer and variables must be created."""

@@ -1,4 +1,7 @@
-"""TensorFlow engine: `tf.distribute.MirroredStrategy` (or no strategy)."""
+"""TensorFlow engine: `tf.distribute.MirroredStrategy` (or no strategy), or
+`MultiWorkerMirroredStrategy` across workers once `connect` ran."""
+
+import os
 
 import tensorflow as tf
 
@@ -39,6 +42,33 @@ def _replica_devices(replicas):
     return [d.name for d in cpus[:replicas]]
 
 
+_connected = None  # (MultiWorkerMirroredStrategy, ClusterSpec) once connect() ran.
+
+
+def connect(spec, replicas=None):
+    """Creates the MultiWorkerMirroredStrategy of `spec`; blocks until every worker joins.
+
+    TensorFlow requires this strategy before any other op. Flags become
+    `TF_CONFIG`, which the strategy reads. On CPUs the collectives use RING
+    (gRPC); each worker then has one replica, its CPU. On GPUs each worker
+    uses all its GPUs.
+    """
+    global _connected
+    if spec.source != "TF_CONFIG":
+        os.environ["TF_CONFIG"] = spec.tf_config()
+    on_cpu = not tf.config.list_physical_devices("GPU")
+    implementation = tf.distribute.experimental.CommunicationImplementation
+    options = tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation.RING if on_cpu else implementation.AUTO)
+    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+    local = len(strategy.extended.worker_devices)
+    if replicas is not None and replicas != local:
+        raise UsageError(f"--replicas {replicas}: with several workers, each TensorFlow "
+                         f"worker uses all its GPUs, or one CPU ({local} here); "
+                         "leave --replicas out")
+    _connected = (strategy, spec)
+
+
 class Engine:
     """Runs kdist's steps under a MirroredStrategy.
 
@@ -52,7 +82,12 @@ class Engine:
     version = tf.__version__
 
     def __init__(self, replicas=None, distributed=True):
-        if distributed:
+        self.shard, self.is_chief = (0, 1), True
+        if distributed and _connected:
+            self.strategy, spec = _connected
+            self.devices = list(self.strategy.extended.worker_devices)
+            self.shard, self.is_chief = (spec.worker_index, spec.num_workers), spec.is_chief
+        elif distributed:
             devices = _replica_devices(replicas)
             # On CPUs, reduce on one device: TF's default collectives key their
             # groups per strategy, and a second strategy in the same process
@@ -65,6 +100,7 @@ class Engine:
             self.strategy = tf.distribute.get_strategy()
             self.devices = [None]  # No placement: TF's default device.
         self.num_replicas = self.strategy.num_replicas_in_sync
+        self.num_local_replicas = len(self.devices)
 
     def scope(self):
         """Context in which the model, optimizer and variables must be created."""
@@ -113,14 +149,19 @@ class Engine:
         return steps
 
     def distribute(self, chunk):
-        """Places each global numpy batch of a chunk on the replicas, split along axis 0."""
+        """Places each numpy batch of a chunk on this worker's replicas, split along axis 0.
+
+        With one worker a batch is the whole global batch; with several, this
+        worker's shard. Replica ids count across workers, worker by worker.
+        """
         return tuple(self._distribute_one(batch) for batch in chunk)
 
     def _distribute_one(self, batch):
-        per_replica = len(batch[0]) // self.num_replicas
+        per_replica = len(batch[0]) // self.num_local_replicas
+        first = self.shard[0] * self.num_local_replicas
 
         def value_fn(ctx):
-            i = ctx.replica_id_in_sync_group
+            i = ctx.replica_id_in_sync_group - first
             with tf.device(self.devices[i]):
                 return tuple(tf.constant(a[i * per_replica:(i + 1) * per_replica])
                              for a in batch)

@@ -1,0 +1,176 @@
+"""Which workers take part in a run, read from flags or the engines' own variables.
+
+Importing this module imports no framework: the cluster must be known before
+TensorFlow or JAX start (TF's MultiWorkerMirroredStrategy must be the first
+thing TF creates; JAX's distributed runtime must start before its backend).
+
+Sources, first match wins:
+
+1. the flags `--peers`, `--workers`, `--worker-index`;
+2. on TensorFlow, `TF_CONFIG` (a `chief` task, if any, counts as worker 0);
+3. on JAX, `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`
+   and `KERAS_DISTRIBUTION_PROCESS_ID` (as `keras.distribution.initialize` reads them);
+4. otherwise one worker.
+
+Worker 0 is the chief: it alone prints epoch lines and writes checkpoints and
+the metrics file. On JAX it is also the coordinator.
+"""
+
+import contextlib
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+from kdist.startup import UsageError
+
+JAX_VARIABLES = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
+                 "KERAS_DISTRIBUTION_PROCESS_ID")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """The workers of one run and this process's place among them.
+
+    `addresses` holds every worker's host:port in worker order, or (JAX only)
+    just the coordinator's.
+    """
+
+    num_workers: int = 1
+    worker_index: int = 0
+    addresses: tuple = ()
+    connect_timeout: float = 120.0
+    source: str = "single process"
+
+    @property
+    def is_chief(self):
+        return self.worker_index == 0
+
+    @property
+    def coordinator(self):
+        return self.addresses[0] if self.addresses else None
+
+    def tf_config(self):
+        """The `TF_CONFIG` JSON that describes this spec to TensorFlow."""
+        return json.dumps({"cluster": {"worker": list(self.addresses)},
+                           "task": {"type": "worker", "index": self.worker_index}})
+
+
+def parse_address(text, what):
+    """Checks one `host:port`; returns it stripped."""
+    host, _, port = text.strip().rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"{what}: {text.strip()!r} is not host:port")
+    return text.strip()
+
+
+def from_flags_and_env(workers=None, worker_index=None, peers=None, connect_timeout=120.0,
+                       environ=None, backend="tensorflow"):
+    """The ClusterSpec of this process; raises UsageError for inconsistent settings."""
+    environ = os.environ if environ is None else environ
+    if workers is not None or worker_index is not None or peers is not None:
+        spec = _from_flags(workers, worker_index, peers)
+    elif backend == "tensorflow" and environ.get("TF_CONFIG"):
+        spec = _from_tf_config(environ["TF_CONFIG"])
+    elif backend == "jax" and any(environ.get(name) for name in JAX_VARIABLES):
+        spec = _from_jax_variables(environ)
+    else:
+        spec = ClusterSpec()
+    if backend == "tensorflow" and spec.num_workers > 1 and len(spec.addresses) == 1:
+        raise UsageError(f"{spec.source}: TensorFlow needs every worker's host:port, "
+                         f"not only the coordinator's; list {spec.num_workers} addresses")
+    return dataclasses.replace(spec, connect_timeout=connect_timeout)
+
+
+def _check(num_workers, index, addresses, source):
+    if len(addresses) > 1 and num_workers != len(addresses):
+        raise UsageError(f"{source}: {num_workers} workers but {len(addresses)} addresses")
+    if num_workers > 1 and not addresses:
+        raise UsageError(f"{source}: {num_workers} workers need the coordinator's "
+                         "host:port (--peers)")
+    if index is None and num_workers > 1:
+        raise UsageError(f"{source}: which worker is this? Set the worker index")
+    index = index or 0
+    if not 0 <= index < num_workers:
+        raise UsageError(f"{source}: worker index {index} is not in 0..{num_workers - 1}")
+    return ClusterSpec(num_workers, index, tuple(addresses), source=source)
+
+
+def _from_flags(workers, worker_index, peers):
+    addresses = [parse_address(a, "--peers") for a in peers.split(",")] if peers else []
+    num_workers = workers if workers is not None else max(len(addresses), 1)
+    return _check(num_workers, worker_index, addresses, "--peers/--workers/--worker-index")
+
+
+def _from_tf_config(text):
+    try:
+        config = json.loads(text)
+        cluster, task = config.get("cluster", {}), config["task"]
+        chiefs, workers = list(cluster.get("chief", [])), list(cluster.get("worker", []))
+        kind, index = task["type"], int(task.get("index", 0))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"TF_CONFIG is not valid ({type(e).__name__}: {e}); expected "
+                         '{"cluster": {"worker": [...]}, "task": {"type": "worker", '
+                         '"index": N}}') from None
+    if kind not in ("chief", "worker") or set(cluster) - {"chief", "worker"}:
+        raise UsageError("TF_CONFIG: kdist runs only 'chief' and 'worker' tasks, got "
+                         f"task type {kind!r} in cluster {sorted(cluster)}")
+    addresses = [parse_address(a, "TF_CONFIG") for a in chiefs + workers]
+    position = index if kind == "chief" else len(chiefs) + index
+    return _check(len(addresses), position, addresses, "TF_CONFIG")
+
+
+def _from_jax_variables(environ):
+    def number(name):
+        text = environ.get(name)
+        if text is None:
+            return None
+        if not text.strip().isdigit():
+            raise UsageError(f"{name}={text!r} is not a whole number")
+        return int(text)
+
+    jobs = environ.get(JAX_VARIABLES[0], "")
+    addresses = [parse_address(a, JAX_VARIABLES[0]) for a in jobs.split(",") if a.strip()]
+    num_workers = number(JAX_VARIABLES[1])
+    num_workers = num_workers if num_workers is not None else max(len(addresses), 1)
+    return _check(num_workers, number(JAX_VARIABLES[2]), addresses, "KERAS_DISTRIBUTION_*")
+
+
+_WATCHDOG = """
+import os, sys, time
+parent, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    time.sleep(0.2)
+    if os.getppid() != parent:  # The worker is gone: nothing to stop.
+        sys.exit(0)
+sys.stderr.write(sys.argv[3] + "\\n")
+sys.stderr.flush()
+os.kill(parent, 9)
+"""
+
+
+@contextlib.contextmanager
+def connect_deadline(spec):
+    """Ends this process with a one-line error if the block outlasts the timeout.
+
+    Connecting blocks in native code that Python cannot interrupt: TF's
+    MultiWorkerMirroredStrategy waits for every worker forever, holding the
+    GIL (so no Python thread or signal handler runs) and catching SIGTERM;
+    JAX aborts with a C++ stack trace after its own timeout. So a small
+    watchdog process prints the error and kills the worker (exit status 137);
+    it is stopped as soon as the block ends.
+    """
+    others = ", ".join(a for i, a in enumerate(spec.addresses) if i != spec.worker_index)
+    message = (f"error: worker {spec.worker_index} of {spec.num_workers} could not reach its "
+               f"peers ({others or spec.coordinator}) within {spec.connect_timeout:g} s; start "
+               "every worker with the same addresses, check that the ports are open, or "
+               "raise --connect-timeout")
+    watchdog = subprocess.Popen(
+        [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(spec.connect_timeout), message],
+        stdin=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        watchdog.kill()
+        watchdog.wait(timeout=30)

@@ -1,0 +1,186 @@
+"""Local launcher: N workers of scripts/train.py on 127.0.0.1, for trying multi-worker runs.
+
+`python scripts/launch.py --workers 2 -- --synthetic --epochs 1` picks free
+loopback ports, starts every worker with `--peers` and its `--worker-index`,
+and prints each worker's output lines prefixed with `[worker I]`. If a worker
+exits with an error, the others are stopped and the launcher exits with that
+worker's exit status (128 + N for a worker killed by signal N), after its last
+lines. Every wait is bounded: `--timeout` for the whole run, `--grace` for
+workers to stop. Imports no framework.
+"""
+
+import argparse
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                     "scripts", "train.py")
+# Set by the launcher; inherited values would describe another cluster.
+CLUSTER_VARIABLES = ("TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+                     "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID")
+LAST_LINES = 20
+
+
+def parser():
+    p = argparse.ArgumentParser(
+        prog="launch.py",
+        usage="launch.py [-h] --workers N [--timeout S] [--grace S] -- [train.py flags]",
+        description="Start N workers of scripts/train.py on this machine (127.0.0.1, free "
+                    "ports), on the backend chosen by KERAS_BACKEND. Flags after -- go to "
+                    "every worker; --peers and --worker-index are added.")
+    p.add_argument("--workers", type=int, required=True, help="number of worker processes")
+    p.add_argument("--timeout", type=float, default=24 * 3600.0,
+                   help="stop every worker and fail after this many seconds "
+                        "(default: %(default)s)")
+    p.add_argument("--grace", type=float, default=30.0,
+                   help="seconds a worker gets to exit after SIGTERM before SIGKILL "
+                        "(default: %(default)s)")
+    p.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    return p
+
+
+def free_ports(count):
+    """`count` distinct ports that were free on 127.0.0.1 a moment ago."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Worker:
+    """One worker process whose output is printed with a prefix as it comes."""
+
+    def __init__(self, index, command, env):
+        self.index = index
+        self.last = collections.deque(maxlen=LAST_LINES)
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, env=env,
+                                     start_new_session=True)  # Signals come from us only.
+        self.reader = threading.Thread(target=self._pump, daemon=True)
+        self.reader.start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.last.append(line)
+            print(f"[worker {self.index}] {line}", flush=True)
+
+    def stop(self, grace):
+        """SIGTERM (the worker checkpoints at the next step), then SIGKILL after
+        `grace` seconds; waits, bounded, until it is gone. `grace` 0: SIGKILL."""
+        if self.proc.poll() is None:
+            try:
+                if grace > 0:
+                    self.proc.terminate()
+                    self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self.reader.join(timeout=5)
+
+
+def exit_status(returncode):
+    """The shell's convention: a process killed by signal N exits 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def start(num_workers, train_args):
+    ports = free_ports(num_workers)
+    peers = ",".join(f"127.0.0.1:{port}" for port in ports)
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env["PYTHONUNBUFFERED"] = "1"
+    workers = []
+    for index in range(num_workers):
+        command = [sys.executable, TRAIN, *train_args, "--peers", peers,
+                   "--worker-index", str(index)]
+        workers.append(Worker(index, command, env))
+        print(f"launch: worker {index} pid {workers[-1].proc.pid} ({peers})", flush=True)
+    return workers
+
+
+def supervise(workers, timeout, grace):
+    """Waits for every worker; on the first failure or the timeout stops the rest.
+
+    Returns the launcher's exit status.
+    """
+    deadline = time.monotonic() + timeout
+    running = list(workers)
+    while running:
+        for worker in list(running):
+            code = worker.proc.poll()
+            if code is None:
+                continue
+            running.remove(worker)
+            if code != 0:
+                return fail(worker, workers, grace, f"exited with status {exit_status(code)}")
+        if time.monotonic() > deadline:
+            return fail(None, workers, grace, f"still running after --timeout {timeout:g} s")
+        time.sleep(0.1)
+    for worker in workers:
+        worker.reader.join(timeout=grace)
+    return 0
+
+
+def fail(dead, workers, grace, what):
+    """Kills every worker, reports `dead`'s last lines, returns its exit status.
+
+    No SIGTERM first: the others cannot finish a step without the dead worker
+    (every step is a collective over all of them), so they would never reach
+    the step boundary where they checkpoint. Killing is safe: checkpoint
+    writes are atomic. After the timeout the workers get `grace` to stop.
+    """
+    for worker in workers:
+        worker.stop(grace if dead is None else 0)
+    if dead is None:
+        print(f"launch: error: workers {what}; stopped them all", file=sys.stderr, flush=True)
+        return 1
+    print(f"launch: error: worker {dead.index} {what}; stopped the others. Its last lines:",
+          file=sys.stderr)
+    for line in dead.last:
+        print(f"  {line}", file=sys.stderr)
+    sys.stderr.flush()
+    return exit_status(dead.proc.returncode) or 1
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    if args.workers < 1:
+        parser().error(f"--workers must be at least 1, got {args.workers}")
+    if any(a.split("=")[0] in ("--peers", "--worker-index", "--workers") for a in train_args):
+        parser().error("the launcher sets --peers and --worker-index itself; drop them")
+    workers = start(args.workers, train_args)
+
+    def on_signal(signum, frame):  # SIGTERM like Ctrl-C: every worker checkpoints and stops.
+        raise KeyboardInterrupt
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return supervise(workers, args.timeout, args.grace)
+    except KeyboardInterrupt:
+        for s in previous:  # Further signals must not cut the bounded clean-up short.
+            signal.signal(s, signal.SIG_IGN)
+        for worker in workers:
+            worker.stop(args.grace)
+        print("launch: interrupted; stopped every worker", file=sys.stderr)
+        return 130
+    finally:
+        for worker in workers:  # Nothing outlives the launcher.
+            worker.stop(args.grace)
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,95 @@
+"""ClusterSpec from flags, TF_CONFIG and the KERAS_DISTRIBUTION_* variables; launcher flags."""
+
+import json
+
+import pytest
+
+from kdist import cli, cluster, launch
+from kdist.startup import UsageError
+
+
+def spec(backend="tensorflow", environ=None, **flags):
+    return cluster.from_flags_and_env(environ=environ or {}, backend=backend, **flags)
+
+
+def test_no_settings_is_one_chief_worker():
+    one = spec()
+    assert (one.num_workers, one.worker_index, one.is_chief) == (1, 0, True)
+
+
+def test_flags_name_every_worker():
+    s = spec(peers="127.0.0.1:1000,127.0.0.1:1001", worker_index=1)
+    assert (s.num_workers, s.worker_index, s.is_chief) == (2, 1, False)
+    assert json.loads(s.tf_config()) == {
+        "cluster": {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"]},
+        "task": {"type": "worker", "index": 1}}
+
+
+def test_flags_win_over_the_environment():
+    environ = {"TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:2", "c:3"]},
+                                        "task": {"type": "worker", "index": 2}})}
+    assert spec(environ=environ, peers="h:1,h:2", worker_index=0).num_workers == 2
+
+
+def test_tf_config_with_a_chief_counts_it_as_worker_0():
+    environ = {"TF_CONFIG": json.dumps({"cluster": {"chief": ["c:1"], "worker": ["w:1", "w:2"]},
+                                        "task": {"type": "worker", "index": 1}})}
+    s = spec(environ=environ)
+    assert (s.num_workers, s.worker_index, s.addresses[0]) == (3, 2, "c:1")
+
+
+def test_jax_variables_need_only_the_coordinator():
+    environ = {"KERAS_DISTRIBUTION_JOB_ADDRESSES": "10.0.0.1:1234",
+               "KERAS_DISTRIBUTION_NUM_PROCESSES": "4", "KERAS_DISTRIBUTION_PROCESS_ID": "3"}
+    s = spec("jax", environ)
+    assert (s.num_workers, s.worker_index, s.coordinator) == (4, 3, "10.0.0.1:1234")
+    assert spec("tensorflow", environ).num_workers == 1  # TF reads TF_CONFIG only.
+
+
+@pytest.mark.parametrize("backend, environ, flags, message", [
+    ("jax", {}, dict(peers="h:1,h:2", worker_index=2), "worker index 2 is not in 0..1"),
+    ("jax", {}, dict(peers="h:1,h:2"), "which worker is this?"),
+    ("jax", {}, dict(peers="h:1,h:2,h:3", workers=2), "2 workers but 3 addresses"),
+    ("jax", {}, dict(peers="h:port", worker_index=0), "'h:port' is not host:port"),
+    ("jax", {}, dict(workers=2, worker_index=0), "need the coordinator's host:port"),
+    ("tensorflow", {}, dict(peers="h:1", workers=2, worker_index=0),
+     "TensorFlow needs every worker's host:port"),
+    ("tensorflow", {"TF_CONFIG": "{"}, {}, "TF_CONFIG is not valid"),
+    ("tensorflow", {"TF_CONFIG": json.dumps({"cluster": {"ps": ["h:1"], "worker": ["h:2"]},
+                                             "task": {"type": "ps", "index": 0}})}, {},
+     "kdist runs only 'chief' and 'worker' tasks"),
+    ("jax", {"KERAS_DISTRIBUTION_JOB_ADDRESSES": "h:1",
+             "KERAS_DISTRIBUTION_NUM_PROCESSES": "two"}, {}, "is not a whole number"),
+])
+def test_inconsistent_settings_are_usage_errors(backend, environ, flags, message):
+    with pytest.raises(UsageError, match=message):
+        spec(backend, environ, **flags)
+
+
+def test_bad_peers_flag_exits_2_with_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--synthetic", "--peers", "127.0.0.1:1,127.0.0.1:2", "--worker-index", "5"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "worker index 5 is not in 0..1" in err and err.splitlines()[-1].startswith("train.py")
+
+
+def test_help_documents_the_worker_flags_and_variables(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for word in ("--peers", "--workers", "--worker-index", "--connect-timeout", "--optimizer",
+                 "TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES", "scripts/launch.py"):
+        assert word in text
+
+
+def test_launcher_refuses_cluster_flags_of_its_own(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["--workers", "2", "--", "--peers", "h:1,h:2"])
+    assert exit_.value.code == 2
+    assert "the launcher sets --peers and --worker-index itself" in capsys.readouterr().err
+
+
+def test_free_ports_are_distinct():
+    ports = launch.free_ports(3)
+    assert len(set(ports)) == 3

@@ -1,0 +1,164 @@
+"""Several worker processes on 127.0.0.1, on the session's backend (KERAS_BACKEND).
+
+Each worker is a real `scripts/train.py` process, started by `scripts/launch.py`
+or by hand; every process and every wait has a timeout.
+"""
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from kdist import launch
+from test_training import checkpoint_arrays
+
+TRAIN = os.path.join(REPO, "scripts", "train.py")
+LAUNCH = os.path.join(REPO, "scripts", "launch.py")
+# SGD: a wrongly combined gradient shows in the weights (Adam would normalise it away).
+COMMON = ["--synthetic", "--steps-per-epoch", "3", "--checkpoint-every", "1", "--seed", "5",
+          "--optimizer", "sgd", "--learning-rate", "0.1", "--quiet"]
+
+
+def environment(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path / "tmp"))
+    env.pop("XLA_FLAGS", None)  # One device per process unless --replicas says otherwise.
+    os.makedirs(env["TMPDIR"], exist_ok=True)
+    return env
+
+
+def run(tmp_path, *args):
+    result = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                            timeout=240, env=environment(tmp_path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def final_weights(folder, step):
+    return checkpoint_arrays(os.path.join(folder, f"ckpt-{step:08d}.weights.h5"))
+
+
+def max_difference(a, b):
+    assert a.keys() == b.keys()
+    return max(float(np.abs(np.asarray(a[k], np.float64) - b[k]).max()) for k in a)
+
+
+def test_two_workers_train_and_resume_like_one_process(tmp_path):
+    workers = str(tmp_path / "workers")
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*COMMON, "--batch-size-per-replica", "8", "--checkpoint-dir", workers,
+            "--metrics-file", str(metrics)]
+    first = run(tmp_path, LAUNCH, "--workers", "2", "--timeout", "200", "--",
+                *args, "--epochs", "1")
+    second = run(tmp_path, LAUNCH, "--workers", "2", "--timeout", "200", "--",
+                 *args, "--epochs", "2")
+    assert "[worker 0] Workers: 2; " in first
+    assert "[worker 0] Batch: 8 per replica, 16 global;" in first
+    assert ", resumed from ckpt-00000003.weights.h5" in second
+    assert "[worker 1] Batch:" not in first  # Only the chief reports.
+    for log in (first, second):  # Only the chief reports.
+        assert "[worker 0] Epoch " in log and "[worker 1] Epoch " not in log
+    assert len(metrics.read_text().splitlines()) == 4  # 2 epochs + 2 restored, chief only.
+    assert sorted(os.listdir(workers)) == ["ckpt-00000003.weights.h5",
+                                           "ckpt-00000006.weights.h5"]
+    assert not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("kdist-worker-")]
+
+    two_replicas, one_device, wrong = (str(tmp_path / n) for n in ("r2", "d1", "wrong"))
+    run(tmp_path, TRAIN, *COMMON, "--epochs", "2", "--batch-size-per-replica", "8",
+        "--replicas", "2", "--checkpoint-dir", two_replicas)
+    run(tmp_path, TRAIN, *COMMON, "--epochs", "2", "--batch-size-per-replica", "16",
+        "--checkpoint-dir", one_device)
+    run(tmp_path, TRAIN, *COMMON, "--epochs", "2", "--batch-size-per-replica", "8",
+        "--checkpoint-dir", wrong)  # One worker's shard alone: another global batch.
+
+    mine = final_weights(workers, 6)
+    to_replicas = max_difference(mine, final_weights(two_replicas, 6))
+    to_device = max_difference(mine, final_weights(one_device, 6))
+    print(f"\nmax |2 workers - 1 process x 2 replicas| = {to_replicas:.3g}, "
+          f"max |2 workers - 1 device| = {to_device:.3g}")
+    assert to_replicas <= 1e-5 and to_device <= 1e-5
+    assert max_difference(mine, final_weights(wrong, 6)) > 1e-3  # The check has teeth.
+
+
+class Lines:
+    """A process's output lines, read by a thread so every wait can time out."""
+
+    def __init__(self, stream):
+        self.queue = queue.Queue()
+        self.seen = []
+        threading.Thread(target=self._pump, args=(stream,), daemon=True).start()
+
+    def _pump(self, stream):
+        for line in stream:
+            self.queue.put(line)
+
+    def wait_for(self, text, timeout=120):
+        while True:
+            line = self.queue.get(timeout=timeout)  # queue.Empty fails the test.
+            self.seen.append(line)
+            if text in line:
+                return line
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[1][0] != "Z"
+
+
+def launch_long_run(tmp_path, act):
+    """Starts 2 workers on a long run, calls act(launcher, worker pids) once the chief
+    trains; returns (launcher exit status, its stderr, worker pids)."""
+    proc = subprocess.Popen(
+        [sys.executable, LAUNCH, "--workers", "2", "--timeout", "200", "--grace", "10", "--",
+         "--synthetic", "--epochs", "100", "--batch-size-per-replica", "8", "--quiet",
+         "--checkpoint-dir", str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(tmp_path))
+    try:
+        lines = Lines(proc.stdout)
+        pids = [int(lines.wait_for(f"launch: worker {i} pid").split()[4]) for i in (0, 1)]
+        lines.wait_for("[worker 0] Checkpoints: ")
+        act(proc, pids)
+        err = proc.stderr.read()  # Ends when the launcher exits.
+        return proc.wait(timeout=60), err, pids
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+def test_a_killed_worker_stops_the_launcher_and_every_worker(tmp_path):
+    status, err, pids = launch_long_run(tmp_path, lambda proc, pids: os.kill(pids[1], 9))
+    assert status == 128 + signal.SIGKILL
+    assert err.startswith(f"launch: error: worker 1 exited with status {128 + 9}")
+    assert not [pid for pid in pids if alive(pid)]
+
+
+def test_sigterm_to_the_launcher_checkpoints_and_stops_every_worker(tmp_path):
+    status, err, pids = launch_long_run(
+        tmp_path, lambda proc, pids: proc.send_signal(signal.SIGTERM))
+    assert status == 130 and "launch: interrupted; stopped every worker" in err
+    assert not [pid for pid in pids if alive(pid)]
+    assert os.listdir(tmp_path / "ckpt")  # The chief's stop checkpoint.
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_a_worker_without_peers_gives_up_with_a_clear_error(tmp_path, index):
+    ports = launch.free_ports(2)
+    result = subprocess.run(
+        [sys.executable, TRAIN, "--synthetic", "--checkpoint-dir", str(tmp_path),
+         "--peers", ",".join(f"127.0.0.1:{p}" for p in ports), "--worker-index", str(index),
+         "--connect-timeout", "3"],
+        capture_output=True, text=True, timeout=120, env=environment(tmp_path))
+    assert result.returncode == -signal.SIGKILL  # By the watchdog: TF ignores SIGTERM there.
+    assert result.stderr.splitlines()[-1].startswith(
+        f"error: worker {index} of 2 could not reach its peers (127.0.0.1:")
+    assert "within 3 s" in result.stderr
