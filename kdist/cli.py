@@ -25,6 +25,19 @@ def _positive(kind):
     return parse
 
 
+def _add_batching(parser):
+    """Flags that shape the distributed steps, shared by train.py and bench.py."""
+    parser.add_argument("--batch-size-per-replica", type=_positive(int), default=64,
+                        help="examples per replica per step; the global batch is this "
+                             "times the replica count (default: %(default)s)")
+    parser.add_argument("--replicas", type=_positive(int), default=None,
+                        help="data-parallel replicas (default: every visible device; on a "
+                             "CPU-only machine N splits the CPU into N devices)")
+    parser.add_argument("--steps-per-execution", type=_positive(int), default=8,
+                        help="train steps run by one compiled call; statistics come back "
+                             "once per call (default: %(default)s)")
+
+
 def _add_common(parser, checkpoints=True):
     if checkpoints:
         parser.add_argument("--checkpoint-dir", default="./training_checkpoints",
@@ -48,14 +61,9 @@ def train_parser():
                     "checkpoint without distribution and evaluate it.")
     parser.add_argument("--epochs", type=_positive(int), default=10,
                         help="training epochs (default: %(default)s)")
-    parser.add_argument("--batch-size-per-replica", type=_positive(int), default=64,
-                        help="examples per replica per step; the global batch is this "
-                             "times the replica count (default: %(default)s)")
+    _add_batching(parser)
     parser.add_argument("--learning-rate", type=_positive(float), default=1e-3,
                         help="learning rate of --optimizer (default: %(default)s)")
-    parser.add_argument("--replicas", type=_positive(int), default=None,
-                        help="data-parallel replicas (default: every visible device; on a "
-                             "CPU-only machine N splits the CPU into N devices)")
     parser.add_argument("--checkpoint-every", type=_positive(int), default=2,
                         help="checkpoint every N epochs, and always after the last "
                              "(default: %(default)s)")
@@ -69,9 +77,6 @@ def train_parser():
     parser.add_argument("--steps-per-epoch", type=_positive(int), default=None,
                         help="train on only the first N global batches of each epoch "
                              "(default: the whole epoch)")
-    parser.add_argument("--steps-per-execution", type=_positive(int), default=8,
-                        help="train steps run by one compiled call; statistics come back "
-                             "once per call (default: %(default)s)")
     parser.add_argument("--metrics-file", default=None,
                         help="append one JSON object per epoch (and one for the restored "
                              "model) to this file")
@@ -215,14 +220,9 @@ def bench_main(argv=None):
         description="Measure kdist's training loop against Keras fit on the backend chosen "
                     "by KERAS_BACKEND: same model, data, batch and devices, one process. "
                     "Prints a table, then one JSON line.")
-    parser.add_argument("--replicas", type=_positive(int), default=None,
-                        help="data-parallel replicas (default: every visible device)")
-    parser.add_argument("--batch-size-per-replica", type=_positive(int), default=64,
-                        help="examples per replica per step (default: %(default)s)")
+    _add_batching(parser)
     parser.add_argument("--steps", type=_positive(int), default=None,
                         help="steps per timed epoch (default: a whole epoch)")
-    parser.add_argument("--steps-per-execution", type=_positive(int), default=8,
-                        help="kdist's train steps per compiled call (default: %(default)s)")
     parser.add_argument("--windows", type=_positive(int), default=4,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")

@@ -32,7 +32,8 @@ def test_help_documents_every_flag(capsys):
     for flag in ("--epochs", "--batch-size-per-replica", "--learning-rate", "--replicas",
                  "--checkpoint-dir", "--checkpoint-every", "--keep", "--no-resume",
                  "--data-dir", "--seed", "--steps-per-epoch", "--synthetic",
-                 "--metrics-file", "--quiet", "--verbose"):
+                 "--metrics-file", "--quiet", "--verbose", "--steps-per-execution",
+                 "--optimizer", "--peers", "--workers", "--worker-index", "--connect-timeout"):
         assert flag in text
 
 
