@@ -11,6 +11,8 @@ strategy never applies on top.
 import keras
 from keras import ops
 
+STATISTICS = ("loss_sum", "correct", "count")  # The keys of `batch_statistics`.
+
 
 def sparse_categorical_crossentropy(labels, logits):
     """Per-example cross-entropy from logits, shape (batch,)."""

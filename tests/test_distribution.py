@@ -65,11 +65,10 @@ def test_batches_are_split_across_replicas(batch, replicas):
         assert [s.data.shape[:2] for s in shards] == [(2, 32 // replicas)] * replicas
         np.testing.assert_array_equal(np.asarray(images)[1], batch[0])
     else:
-        assert len(distributed) == 2
-        parts = distributed[0][0].values
+        parts = distributed[0].values  # Stacked per replica: (steps, batch, 28, 28, 1).
         assert len({p.device for p in parts}) == replicas
-        assert [p.shape[0] for p in parts] == [32 // replicas] * replicas
-        np.testing.assert_array_equal(np.concatenate([p.numpy() for p in parts]), batch[0])
+        assert [tuple(p.shape[:2]) for p in parts] == [(2, 32 // replicas)] * replicas
+        np.testing.assert_array_equal(np.concatenate([p.numpy()[1] for p in parts]), batch[0])
 
 
 def test_variables_are_replicated_on_every_device():
