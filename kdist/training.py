@@ -87,9 +87,11 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
     Batches go to the engine in chunks of `steps_per_execution`, one compiled
-    call each; statistics come back once per chunk and are then accounted
-    step by step (`on_step(steps done, step stats, totals)`). Stops after the
-    chunk during which `stop` became true. Returns (totals, steps run).
+    call each (a short last chunk is padded with zero-weight batches that the
+    engine skips, so every call has the same shapes); statistics come back
+    once per chunk and are then accounted step by step (`on_step(steps done,
+    step stats, totals)`). Stops after the chunk during which `stop` became
+    true. Returns (totals, steps run).
     """
     totals = zero_totals() if totals is None else dict(totals)
     done = 0
@@ -99,7 +101,10 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
                 raise UsageError(f"a batch of {len(batch[0])} does not split evenly across "
                                  f"{engine.num_local_replicas} replicas; use a global batch "
                                  f"size that is a multiple of {engine.num_replicas}")
-        per_step = {k: np.asarray(v) for k, v in step_fn(engine.distribute(chunk)).items()}
+        padding = (chunk[-1][0], chunk[-1][1], np.zeros_like(chunk[-1][2]))
+        padded = chunk + [padding] * (steps_per_execution - len(chunk))
+        per_step = {k: np.asarray(v) for k, v in
+                    step_fn(engine.distribute(padded), len(chunk)).items()}
         for i in range(len(chunk)):
             stats = {k: float(v[i]) for k, v in per_step.items()}
             for key in totals:

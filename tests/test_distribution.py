@@ -19,7 +19,7 @@ def weights_after_one_step(batch, replicas, distributed=True):
     model, optimizer = training.build(engine, create_model, sgd, 0.5)
     before = [np.array(w) for w in model.get_weights()]
     engine.prepare(model, optimizer, len(batch[0]), losses.sparse_categorical_crossentropy)
-    stats = engine.train_step(engine.distribute([batch]))
+    stats = engine.train_step(engine.distribute([batch]), 1)
     engine.sync_to_model()
     return before, [np.array(w) for w in model.get_weights()], \
         {k: float(np.asarray(v)[0]) for k, v in stats.items()}
@@ -119,17 +119,20 @@ def test_chunked_steps_match_single_steps(small_dataset, replicas):
     def weights(steps_per_execution):
         engine = engines.create_engine(replicas)
         keras.utils.set_random_seed(3)
-        model, optimizer = training.build(engine, create_model, sgd, 0.5)
+        # Adam: a padding step applied by mistake would move the weights even
+        # with zero gradients (momentum), where SGD would not show it.
+        model, optimizer = training.build(engine, create_model, training.adam, 1e-2)
         engine.prepare(model, optimizer, 32, losses.sparse_categorical_crossentropy)
         batches = data.train_batches(small_dataset.train_images, small_dataset.train_labels,
                                      32, seed=0, epoch=0, steps=5)
         totals, done = training.run_steps(engine, engine.train_step, batches,
                                           steps_per_execution=steps_per_execution)
         engine.sync_to_model()
+        assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 5
         return [np.array(w) for w in model.get_weights()], totals, done
 
     single, single_totals, _ = weights(1)
-    chunked, chunked_totals, done = weights(4)  # One chunk of 4, then one of 1.
+    chunked, chunked_totals, done = weights(4)  # A chunk of 4, then 1 step + 3 of padding.
     assert done == 5 and chunked_totals["count"] == single_totals["count"] == 160
     for a, b in zip(single, chunked):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)

@@ -134,19 +134,19 @@ class Engine:
         """A tf.function running `replica_fn` on each step of a stacked chunk.
 
         `tf.range` makes the loop a `tf.while_loop`: one trace whatever the
-        chunk length K, so compiling costs what one step costs (an unrolled
-        loop of 8 steps on 2 replicas doubled the first epoch's time).
+        chunk length K and step count, so compiling costs what one step costs
+        (an unrolled loop of 8 steps on 2 replicas doubled the first epoch's time).
         """
         strategy = self.strategy
 
         def replica_fn_at(k):
             return lambda images, labels, weights: replica_fn(images[k], labels[k], weights[k])
 
-        @tf.function(reduce_retracing=True)
-        def steps(chunk):
-            length = tf.shape(strategy.experimental_local_results(chunk[0])[0])[0]
-            per_step = tuple(tf.TensorArray(tf.float32, size=length) for _ in losses.STATISTICS)
-            for k in tf.range(length):
+        @tf.function
+        def steps(chunk, num_steps):
+            per_step = tuple(tf.TensorArray(tf.float32, size=num_steps)
+                             for _ in losses.STATISTICS)
+            for k in tf.range(num_steps):  # Batches from num_steps on are padding.
                 stats = strategy.run(replica_fn_at(k), args=chunk)
                 per_step = tuple(
                     values.write(k, strategy.reduce(tf.distribute.ReduceOp.SUM, stats[key], None))
@@ -174,12 +174,13 @@ class Engine:
 
         return self.strategy.experimental_distribute_values_from_function(value_fn)
 
-    def train_step(self, chunk):
-        """The chunk's optimizer steps; returns each step's summed statistics."""
-        return self._train_step(chunk)
+    def train_step(self, chunk, num_steps):
+        """The chunk's first `num_steps` optimizer steps; returns each step's
+        summed statistics."""
+        return self._train_step(chunk, tf.constant(num_steps))  # A tensor: no retrace.
 
-    def eval_step(self, chunk):
-        return self._eval_step(chunk)
+    def eval_step(self, chunk, num_steps):
+        return self._eval_step(chunk, tf.constant(num_steps))
 
     def sync_to_model(self):
         """Variables are updated in place on TF: nothing to write back."""
