@@ -110,10 +110,10 @@ class Engine:
         def eval_step(state, batch):
             trainable, non_trainable, _ = state
             _, (stats, _) = compute(trainable, non_trainable, batch, False)
-            return state, stats
+            return stats
 
-        self._train_steps = jax.jit(_unrolled(train_step), donate_argnums=0)
-        self._eval_steps = jax.jit(_unrolled(eval_step))
+        self._train_steps = jax.jit(_train_chunk(train_step), donate_argnums=0)
+        self._eval_steps = jax.jit(_eval_chunk(eval_step))
 
     def _read_state(self):
         opt_vars = self.optimizer.variables if self.optimizer is not None else []
@@ -153,8 +153,7 @@ class Engine:
         Reading a replicated result on the host waits for one device only, so
         the block is explicit here too.
         """
-        _, stats = self._eval_steps(self.state, chunk, num_steps)
-        return jax.block_until_ready(stats)
+        return jax.block_until_ready(self._eval_steps(self.state, chunk, num_steps))
 
     def sync_to_model(self):
         """Writes the functional state back into the Keras variables."""
@@ -166,26 +165,48 @@ class Engine:
                 variable.assign(value)
 
 
-def _unrolled(step):
+def _train_chunk(step):
     """(state, stacked chunk, num_steps) -> (state, stats stacked per step).
 
     A Python loop over the chunk's K batches, unrolled when traced: on XLA:CPU
     this runs about twice as fast as one call per step, and faster than
-    `lax.scan`. Batches from `num_steps` on are padding and skipped
-    (`lax.cond`), so an epoch's last, shorter chunk reuses the same program
-    instead of compiling another.
+    `lax.scan`. Batches from `num_steps` on are padding: their step is
+    computed but its state is dropped by an element-wise select, so an
+    epoch's last, shorter chunk reuses the same program instead of compiling
+    another (`lax.cond` there cost 40% of the training speed on XLA:CPU).
     """
-
-    def skip(state, batch):
-        return state, {key: jax.numpy.zeros((), "float32") for key in losses.STATISTICS}
 
     def steps(state, chunk, num_steps):
         per_step = []
         for k in range(chunk[0].shape[0]):
-            batch = tuple(a[k] for a in chunk)
-            state, stats = jax.lax.cond(k < num_steps, step, skip, state, batch)
+            new_state, stats = step(state, tuple(a[k] for a in chunk))
+            active = k < num_steps
+            state = jax.tree.map(lambda new, old: jax.numpy.where(active, new, old),
+                                 new_state, state)
             per_step.append(stats)
-        return state, {key: jax.numpy.stack([s[key] for s in per_step])
-                       for key in losses.STATISTICS}
+        return state, _stack(per_step)
 
     return steps
+
+
+def _eval_chunk(step):
+    """(state, stacked chunk, num_steps) -> stats stacked per step.
+
+    Each batch runs under `lax.cond`, which skips the padding and, on XLA:CPU,
+    keeps the K forward passes one after another: unconditioned, the eval
+    chunk ran 2.6x slower (0.73 s against 0.28 s for the 10,000 test images).
+    """
+
+    def skip(state, batch):
+        return {key: jax.numpy.zeros((), "float32") for key in losses.STATISTICS}
+
+    def steps(state, chunk, num_steps):
+        return _stack([jax.lax.cond(k < num_steps, step, skip, state,
+                                    tuple(a[k] for a in chunk))
+                       for k in range(chunk[0].shape[0])])
+
+    return steps
+
+
+def _stack(per_step):
+    return {key: jax.numpy.stack([s[key] for s in per_step]) for key in losses.STATISTICS}
