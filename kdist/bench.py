@@ -62,23 +62,6 @@ class _EpochTimes(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-class _BlockEachBatch(keras.callbacks.Callback):
-    """Waits for each batch's results: keeps Keras fit/evaluate on JAX alive.
-
-    With several forced CPU devices, Keras' asynchronous JAX loop lets
-    programs queue up and XLA's all-reduce rendezvous deadlocks (4 of 4
-    `bench.py --replicas 2 --batch-size-per-replica 8` runs aborted without
-    this). kdist's engine blocks on each call for the same reason.
-    """
-
-    def on_train_batch_end(self, batch, logs=None):
-        import jax
-
-        jax.block_until_ready(logs)
-
-    on_test_batch_end = on_train_batch_end
-
-
 def measure_fit(engine, dataset, global_batch, steps, windows):
     keras.utils.set_random_seed(0)
     with engine.scope():
@@ -88,7 +71,7 @@ def measure_fit(engine, dataset, global_batch, steps, windows):
                       metrics=["accuracy"])
     count = steps * global_batch
     times = _EpochTimes()
-    blocking = [_BlockEachBatch()] if engine.backend == "jax" and engine.num_replicas > 1 else []
+    blocking = engine.keras_fit_callbacks()  # Keeps fit on JAX CPU devices from deadlocking.
     model.fit(dataset.train_images[:count], dataset.train_labels[:count],
               batch_size=global_batch, epochs=1 + windows, callbacks=[times] + blocking,
               verbose=0)

@@ -8,9 +8,8 @@ from kdist import data, engines, losses, training
 from kdist.model import create_model
 
 
-def sgd(learning_rate):
-    # Plain SGD: Adam normalises the step and would hide a wrongly scaled gradient.
-    return keras.optimizers.SGD(learning_rate)
+# Plain SGD: Adam normalises the step and would hide a wrongly scaled gradient.
+sgd = training.sgd
 
 
 def weights_after_one_step(batch, replicas, distributed=True):

@@ -7,6 +7,8 @@ num_steps)` and `sync_to_model()`. A step call runs the chunk's first
 `num_steps` steps in one compiled call (the rest is padding, so every call
 has one shape) and returns the dict of `kdist.losses.batch_statistics`,
 summed over replicas, as arrays of shape (K,): one value per step.
+`keras_fit_callbacks()` is what Keras' own `fit` needs to run safely on
+the same devices (used by `scripts/bench.py`).
 
 With several workers (`connect`), an engine also says where this process
 stands: `shard` = (worker index, worker count) (the slice of every global
@@ -22,14 +24,18 @@ from kdist.startup import UsageError
 BACKENDS = ("tensorflow", "jax")
 
 
-def create_engine(replicas=None, distributed=True):
-    """The engine of the active Keras backend (`KERAS_BACKEND`)."""
+def _backend_module():
+    """The engine module of the active Keras backend (`KERAS_BACKEND`)."""
     backend = keras.backend.backend()
     if backend not in BACKENDS:
         raise UsageError(f"KERAS_BACKEND={backend} is not supported; "
                          f"use one of {', '.join(BACKENDS)}")
-    module = importlib.import_module(f"kdist.engines.{backend}")
-    return module.Engine(replicas=replicas, distributed=distributed)
+    return importlib.import_module(f"kdist.engines.{backend}")
+
+
+def create_engine(replicas=None, distributed=True):
+    """The engine of the active Keras backend (`KERAS_BACKEND`)."""
+    return _backend_module().Engine(replicas=replicas, distributed=distributed)
 
 
 def connect(spec, replicas=None):
@@ -40,8 +46,4 @@ def connect(spec, replicas=None):
     set up before the framework runs anything. Engines created afterwards span
     every worker's devices. `replicas` is the device count of this worker.
     """
-    backend = keras.backend.backend()
-    if backend not in BACKENDS:
-        raise UsageError(f"KERAS_BACKEND={backend} is not supported; "
-                         f"use one of {', '.join(BACKENDS)}")
-    importlib.import_module(f"kdist.engines.{backend}").connect(spec, replicas)
+    _backend_module().connect(spec, replicas)

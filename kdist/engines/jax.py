@@ -116,9 +116,12 @@ class Engine:
         self._eval_steps = jax.jit(_eval_chunk(eval_step))
 
     def _read_state(self):
+        self.state = tuple([v.value for v in vs] for vs in self._variable_lists())
+
+    def _variable_lists(self):
+        """The Keras variables behind the three parts of `self.state`."""
         opt_vars = self.optimizer.variables if self.optimizer is not None else []
-        self.state = tuple([v.value for v in vs] for vs in (
-            self.model.trainable_variables, self.model.non_trainable_variables, opt_vars))
+        return (self.model.trainable_variables, self.model.non_trainable_variables, opt_vars)
 
     def distribute(self, chunk):
         """Stacks a chunk of global numpy batches to (K, batch, ...) arrays and
@@ -155,14 +158,30 @@ class Engine:
         """
         return jax.block_until_ready(self._eval_steps(self.state, chunk, num_steps))
 
+    def keras_fit_callbacks(self):
+        """Callbacks that keep Keras' fit/evaluate alive on several CPU devices."""
+        return [_BlockEachBatch()] if self.num_replicas > 1 else []
+
     def sync_to_model(self):
         """Writes the functional state back into the Keras variables."""
-        opt_vars = self.optimizer.variables if self.optimizer is not None else []
-        variable_lists = (self.model.trainable_variables,
-                          self.model.non_trainable_variables, opt_vars)
-        for variables, values in zip(variable_lists, self.state):
+        for variables, values in zip(self._variable_lists(), self.state):
             for variable, value in zip(variables, values):
                 variable.assign(value)
+
+
+class _BlockEachBatch(keras.callbacks.Callback):
+    """Waits for each batch's results in Keras' fit/evaluate.
+
+    With several forced CPU devices, Keras' asynchronous JAX loop lets
+    programs queue up and XLA's all-reduce rendezvous deadlocks (4 of 4
+    `bench.py --replicas 2 --batch-size-per-replica 8` runs aborted without
+    this), the same hazard `Engine.train_step` blocks against.
+    """
+
+    def on_train_batch_end(self, batch, logs=None):
+        jax.block_until_ready(logs)
+
+    on_test_batch_end = on_train_batch_end
 
 
 def _train_chunk(step):

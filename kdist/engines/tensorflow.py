@@ -182,5 +182,9 @@ class Engine:
     def eval_step(self, chunk, num_steps):
         return self._eval_step(chunk, tf.constant(num_steps))
 
+    def keras_fit_callbacks(self):
+        """Keras' fit needs nothing extra under a TF strategy."""
+        return []
+
     def sync_to_model(self):
         """Variables are updated in place on TF: nothing to write back."""
