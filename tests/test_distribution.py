@@ -135,3 +135,25 @@ def test_chunked_steps_match_single_steps(small_dataset, replicas):
     assert done == 5 and chunked_totals["count"] == single_totals["count"] == 160
     for a, b in zip(single, chunked):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
+def _train_programs(engine):
+    """How many programs the engine's train step has compiled (traced, on TF)."""
+    if engine.backend == "jax":
+        return engine._train_steps._cache_size()
+    return engine._train_step.experimental_get_tracing_count()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_an_epoch_compiles_one_train_program(small_dataset, replicas):
+    # Chunks of 3 over 7 steps: two full chunks, then a padded one. A state
+    # that comes back with other shardings than it went in with (JAX, 1
+    # device) or a new step count (TF) would compile the chunk again.
+    engine = engines.create_engine(replicas)
+    model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
+    engine.prepare(model, optimizer, 32, losses.sparse_categorical_crossentropy)
+    batches = data.train_batches(small_dataset.train_images, small_dataset.train_labels,
+                                 32, seed=0, epoch=0, steps=7)
+    _, done = training.run_steps(engine, engine.train_step, batches, steps_per_execution=3)
+    assert done == 7
+    assert _train_programs(engine) == 1

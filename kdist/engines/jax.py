@@ -116,7 +116,18 @@ class Engine:
         self._eval_steps = jax.jit(_eval_chunk(eval_step))
 
     def _read_state(self):
-        self.state = tuple([v.value for v in vs] for vs in self._variable_lists())
+        """Takes the variables' values as the state, replicated over the mesh.
+
+        On one device Keras keeps variables on that device, while the train
+        step returns them on the 1-device mesh: placing them there first
+        gives every call the same input types, so the program compiles once,
+        not twice (2.5 s more in the first epoch).
+        """
+        values = tuple([v.value for v in vs] for vs in self._variable_lists())
+        if self.distribution is not None:
+            mesh = self.distribution.device_mesh.backend_mesh
+            values = jax.device_put(values, NamedSharding(mesh, PartitionSpec()))
+        self.state = values
 
     def _variable_lists(self):
         """The Keras variables behind the three parts of `self.state`."""
