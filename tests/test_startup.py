@@ -8,9 +8,11 @@ import pytest
 
 from conftest import REPO
 
-# Allocates and frees a 64 MB buffer (numpy allocates through malloc) and
+from kdist import startup
+
+# Allocates and frees a buffer of N bytes (numpy allocates through malloc) and
 # prints what glibc's mallinfo2 says: bytes in separate mappings while the
-# buffer lives (more than before it), then bytes of heap the process still holds after the free.
+# buffer lives (more than before it), then bytes of heap still held after the free.
 _ALLOCATE_AND_FREE = """
 import ctypes, sys
 import numpy as np
@@ -25,34 +27,44 @@ mallinfo2 = ctypes.CDLL(None).mallinfo2
 mallinfo2.restype = MallInfo2
 print(startup.keep_freed_memory())
 mapped_before = mallinfo2().hblkhd
-buffer = np.ones(1 << 24, np.float32)
+buffer = np.ones({nbytes} // 4, np.float32)
 mapped = mallinfo2().hblkhd - mapped_before
 del buffer
 print(mapped, mallinfo2().arena)
 """
-_BUFFER_BYTES = 64 << 20
+SCRATCH = 48 << 20  # Like XLA's per-call scratch for the CNN (34-39 MiB).
+DATA = 4 * startup.KEPT_BLOCK_BYTES  # Like a data set: over the threshold.
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
 
-def _allocate_and_free(keep):
+def _allocate_and_free(nbytes, keep):
     env = dict(os.environ, KDIST_KEEP_FREED_MEMORY="1" if keep else "0")
-    result = subprocess.run([sys.executable, "-c", _ALLOCATE_AND_FREE.format(repo=REPO)],
-                            env=env, capture_output=True, text=True, check=True)
+    script = _ALLOCATE_AND_FREE.format(repo=REPO, nbytes=nbytes)
+    result = subprocess.run([sys.executable, "-c", script], env=env,
+                            capture_output=True, text=True, check=True)
     applied, mapped, heap_after_free = result.stdout.split()
-    return applied == "True", int(mapped), int(heap_after_free)
+    assert applied == str(keep)
+    return int(mapped), int(heap_after_free)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_freed_memory_stays_in_the_heap_for_reuse():
-    applied, mapped, heap_after_free = _allocate_and_free(keep=True)
-    assert applied
+@linux_only
+def test_freed_scratch_memory_stays_in_the_heap_for_reuse():
+    mapped, heap_after_free = _allocate_and_free(SCRATCH, keep=True)
     assert mapped == 0  # Served from the heap, not a fresh mapping to fault in.
-    assert heap_after_free >= _BUFFER_BYTES  # Not handed back: the next call reuses it.
+    assert heap_after_free >= SCRATCH  # Not handed back: the next call reuses it.
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@linux_only
+def test_blocks_over_the_threshold_still_go_back_to_the_kernel():
+    mapped, heap_after_free = _allocate_and_free(DATA, keep=True)
+    assert mapped >= DATA
+    assert heap_after_free < SCRATCH
+
+
+@linux_only
 def test_opting_out_keeps_the_c_library_default():
-    # The control: by default glibc maps a 64 MB block anew and unmaps it on free.
-    applied, mapped, heap_after_free = _allocate_and_free(keep=False)
-    assert not applied
-    assert mapped >= _BUFFER_BYTES
-    assert heap_after_free < _BUFFER_BYTES
+    # The control: by default glibc maps the scratch anew and unmaps it on free.
+    mapped, heap_after_free = _allocate_and_free(SCRATCH, keep=False)
+    assert mapped >= SCRATCH
+    assert heap_after_free < SCRATCH
