@@ -102,7 +102,7 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
                                  f"{engine.num_local_replicas} replicas; use a global batch "
                                  f"size that is a multiple of {engine.num_replicas}")
         padding = (chunk[-1][0], chunk[-1][1], np.zeros_like(chunk[-1][2]))
-        padded = chunk + [padding] * (steps_per_execution - len(chunk))
+        padded = stack_chunk(chunk + [padding] * (steps_per_execution - len(chunk)))
         per_step = {k: np.asarray(v) for k, v in
                     step_fn(engine.distribute(padded), len(chunk)).items()}
         for i in range(len(chunk)):
@@ -115,6 +115,11 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
         if stop:
             break
     return totals, done
+
+
+def stack_chunk(batches):
+    """K numpy batches of (x, y, weights) -> (x, y, weights) of shape (K, batch, ...)."""
+    return tuple(np.stack(parts) for parts in zip(*batches))
 
 
 def _chunks(iterable, size):

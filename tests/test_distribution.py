@@ -18,7 +18,7 @@ def weights_after_one_step(batch, replicas, distributed=True):
     model, optimizer = training.build(engine, create_model, sgd, 0.5)
     before = [np.array(w) for w in model.get_weights()]
     engine.prepare(model, optimizer, len(batch[0]), losses.sparse_categorical_crossentropy)
-    stats = engine.train_step(engine.distribute([batch]), 1)
+    stats = engine.train_step(engine.distribute(training.stack_chunk([batch])), 1)
     engine.sync_to_model()
     return before, [np.array(w) for w in model.get_weights()], \
         {k: float(np.asarray(v)[0]) for k, v in stats.items()}
@@ -55,7 +55,7 @@ def test_a_doubled_loss_scale_would_be_caught(batch):
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_batches_are_split_across_replicas(batch, replicas):
     engine = engines.create_engine(replicas)
-    distributed = engine.distribute([batch, batch])  # A chunk of two steps.
+    distributed = engine.distribute(training.stack_chunk([batch, batch]))  # Two steps.
     if engine.backend == "jax":
         images = distributed[0]  # Stacked: (steps, batch, 28, 28, 1).
         assert tuple(images.sharding.spec)[:2] == (None, "batch")

@@ -7,7 +7,6 @@ import contextlib
 
 import jax
 import keras
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kdist import losses
@@ -77,6 +76,11 @@ class Engine:
         keras.distribution.set_distribution(self.distribution)
         self.devices = ([str(d) for d in self.distribution.device_mesh.devices.flat]
                         if self.distribution else [str(jax.local_devices()[0])])
+        if self.distribution is not None:  # Variables everywhere; chunks split on batch.
+            mesh = self.distribution.device_mesh.backend_mesh
+            self._replicated = NamedSharding(mesh, PartitionSpec())
+            self._chunk_sharding = NamedSharding(
+                mesh, PartitionSpec(None, self.distribution.batch_dim_name))
 
     def scope(self):
         """Context in which the model, optimizer and variables must be created."""
@@ -128,8 +132,7 @@ class Engine:
         """
         values = tuple([v.value for v in vs] for vs in self._variable_lists())
         if self.distribution is not None:
-            mesh = self.distribution.device_mesh.backend_mesh
-            values = jax.device_put(values, NamedSharding(mesh, PartitionSpec()))
+            values = jax.device_put(values, self._replicated)
         self.state = values
 
     def _variable_lists(self):
@@ -137,19 +140,17 @@ class Engine:
         opt_vars = self.optimizer.variables if self.optimizer is not None else []
         return (self.model.trainable_variables, self.model.non_trainable_variables, opt_vars)
 
-    def distribute(self, chunk):
-        """Stacks a chunk of global numpy batches to (K, batch, ...) arrays and
-        shards them along the batch axis (`P(None, 'batch')`) over the mesh.
+    def distribute(self, stacked):
+        """Shards a stacked chunk, numpy arrays of (K, batch, ...), along the
+        batch axis (`P(None, 'batch')`) over the mesh.
 
         `make_array_from_process_local_data` takes this process's part of the
         global batches, so the same call serves one or many processes.
         """
-        stacked = [np.stack(parts) for parts in zip(*chunk)]
         if self.distribution is None:
             return tuple(jax.numpy.asarray(a) for a in stacked)
-        mesh = self.distribution.device_mesh.backend_mesh
-        sharding = NamedSharding(mesh, PartitionSpec(None, self.distribution.batch_dim_name))
-        return tuple(jax.make_array_from_process_local_data(sharding, a) for a in stacked)
+        return tuple(jax.make_array_from_process_local_data(self._chunk_sharding, a)
+                     for a in stacked)
 
     def train_step(self, chunk, num_steps):
         """Runs the chunk's first `num_steps` optimizer steps in one compiled call;

@@ -3,7 +3,6 @@
 
 import os
 
-import numpy as np
 import tensorflow as tf
 
 from kdist import losses
@@ -155,14 +154,13 @@ class Engine:
 
         return steps
 
-    def distribute(self, chunk):
-        """Stacks a chunk of numpy batches to (K, batch, ...) and splits the batch
-        axis over this worker's replicas.
+    def distribute(self, stacked):
+        """Splits a stacked chunk, numpy arrays of (K, batch, ...), along the
+        batch axis over this worker's replicas.
 
         With one worker a batch is the whole global batch; with several, this
         worker's shard. Replica ids count across workers, worker by worker.
         """
-        stacked = [np.stack(parts) for parts in zip(*chunk)]
         per_replica = stacked[0].shape[1] // self.num_local_replicas
         first = self.shard[0] * self.num_local_replicas
 
