@@ -45,7 +45,7 @@ def prepare_environment(replicas=None, verbose=False):
     keep_freed_memory()
 
 
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>.
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt, <malloc.h>.
 KEPT_BLOCK_BYTES = 64 << 20
 
 
@@ -60,6 +60,14 @@ def keep_freed_memory():
     machine, more than the 7 ms the train step itself takes. With both
     thresholds at 64 MiB such blocks stay in the heap; bigger ones (a data
     set) still get their own mapping and go back to the kernel when freed.
+
+    With several devices each runs on its own thread, whose per-thread arena
+    grows in heaps of at most 64 MiB: a scratch block that does not fit the
+    current heap gets a new one, which glibc unmaps as soon as it is empty,
+    whatever the trim threshold: 8,000-19,000 page faults per call in 11 of
+    16 runs on 2 JAX devices, 10-30% of the step time. A 64 MiB top pad
+    keeps such a heap.
+
     Returns whether it took effect: on a C library without `mallopt` (macOS,
     musl) nothing changes. `KDIST_KEEP_FREED_MEMORY=0` keeps the C library's
     defaults.
@@ -71,7 +79,8 @@ def keep_freed_memory():
     except (OSError, AttributeError):
         return False
     return all([mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
-                mallopt(_M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) == 1])
+                mallopt(_M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
+                mallopt(_M_TOP_PAD, KEPT_BLOCK_BYTES) == 1])
 
 
 def set_host_device_count(count):
