@@ -157,3 +157,27 @@ def test_an_epoch_compiles_one_train_program(small_dataset, replicas):
     _, done = training.run_steps(engine, engine.train_step, batches, steps_per_execution=3)
     assert done == 7
     assert _train_programs(engine) == 1
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA compiles on JAX only")
+def test_jax_releases_the_compilers_memory_before_a_chunk_first_runs(small_dataset,
+                                                                     monkeypatch):
+    from kdist import startup
+    from kdist.engines import jax as jax_engine
+
+    released = []
+    monkeypatch.setattr(startup, "release_freed_memory", lambda: released.append(True))
+    monkeypatch.setattr(jax_engine, "LONG_COMPILE_SECONDS", 0.0)  # Any compile counts.
+    engine = engines.create_engine(2)
+    model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
+    engine.prepare(model, optimizer, 32, losses.sparse_categorical_crossentropy)
+    chunk = engine.distribute(training.stack_chunk(list(data.train_batches(
+        small_dataset.train_images, small_dataset.train_labels, 32, seed=0, epoch=0,
+        steps=2))))
+    released.clear()  # Eager ops compiled while building the model.
+    engine.train_step(chunk, 2)
+    # JAX reports the chunk's compile under the event the engine listens to.
+    assert released
+    released.clear()
+    engine.train_step(chunk, 2)
+    assert not released  # Compiled once: later calls release nothing.

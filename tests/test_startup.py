@@ -116,3 +116,33 @@ def test_a_threads_freed_scratch_heap_stays_for_reuse():
     # glibc's default unmaps a heap as soon as it is empty (the 64 MB munmap
     # per call seen with 2 JAX devices); with the top pad it stays.
     assert int(returned) == 0
+
+
+# Frees a 48 MiB block that the heap keeps (see above), then releases it:
+# prints the resident KiB after the free and after the release.
+_RELEASE = """
+import sys
+import numpy as np
+sys.path.insert(0, {repo!r})
+from kdist import startup
+
+def resident_kib():
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
+
+startup.keep_freed_memory()
+buffer = np.ones({nbytes} // 4, np.float32)
+del buffer
+kept = resident_kib()
+print(startup.release_freed_memory(), kept, resident_kib())
+"""
+
+
+@linux_only
+def test_released_memory_leaves_the_process():
+    script = _RELEASE.format(repo=REPO, nbytes=SCRATCH)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            check=True, env=dict(os.environ, KDIST_KEEP_FREED_MEMORY="1"))
+    ran, kept_kib, released_kib = result.stdout.split()
+    assert ran == "True"
+    assert int(kept_kib) - int(released_kib) >= (SCRATCH >> 10) * 9 // 10

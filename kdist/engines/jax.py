@@ -9,8 +9,25 @@ import jax
 import keras
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kdist import losses
+from kdist import losses, startup
 from kdist.startup import UsageError
+
+
+_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+LONG_COMPILE_SECONDS = 0.25
+
+
+def _release_memory_after_long_compiles(event, duration_secs, **kwargs):
+    """After XLA compiles a big program (a train or eval chunk), before it
+    first runs, returns the compiler's freed memory to the kernel: the devices'
+    threads would not reuse it, so it only raised the peak RSS. Programs that
+    compile in under 0.25 s (15 of 20 in a 2-replica run: eager ops) skip the
+    trim, which costs 16-22 ms."""
+    if event == _BACKEND_COMPILE_EVENT and duration_secs >= LONG_COMPILE_SECONDS:
+        startup.release_freed_memory()
+
+
+jax.monitoring.register_event_duration_secs_listener(_release_memory_after_long_compiles)
 
 
 def connect(spec, replicas=None):
