@@ -72,11 +72,8 @@ def keep_freed_memory():
     musl) nothing changes. `KDIST_KEEP_FREED_MEMORY=0` keeps the C library's
     defaults.
     """
-    if os.environ.get("KDIST_KEEP_FREED_MEMORY") == "0":
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc_function("mallopt")
+    if os.environ.get("KDIST_KEEP_FREED_MEMORY") == "0" or mallopt is None:
         return False
     return all([mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
                 mallopt(_M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
@@ -91,12 +88,19 @@ def release_freed_memory():
     released before the program first runs, the peak RSS of a 2-device run
     fell from 777 to 623 MB. Returns whether it ran (glibc only).
     """
-    try:
-        malloc_trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    malloc_trim = _glibc_function("malloc_trim")
+    if malloc_trim is None:
         return False
     malloc_trim(0)
     return True
+
+
+def _glibc_function(name):
+    """The C library's function `name`, or None where it has none (macOS, musl)."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def set_host_device_count(count):

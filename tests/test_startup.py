@@ -10,12 +10,9 @@ from conftest import REPO
 
 from kdist import startup
 
-# Allocates and frees a buffer of N bytes (numpy allocates through malloc) and
-# prints what glibc's mallinfo2 says: bytes in separate mappings while the
-# buffer lives (more than before it), then bytes of heap still held after the free.
-_ALLOCATE_AND_FREE = """
+# Every script starts with this: kdist importable, glibc's malloc, mallinfo2.
+_PREAMBLE = """
 import ctypes, sys
-import numpy as np
 sys.path.insert(0, {repo!r})
 from kdist import startup
 
@@ -23,14 +20,10 @@ class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
         "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
 
-mallinfo2 = ctypes.CDLL(None).mallinfo2
-mallinfo2.restype = MallInfo2
-print(startup.keep_freed_memory())
-mapped_before = mallinfo2().hblkhd
-buffer = np.ones({nbytes} // 4, np.float32)
-mapped = mallinfo2().hblkhd - mapped_before
-del buffer
-print(mapped, mallinfo2().arena)
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
 """
 SCRATCH = 48 << 20  # Like XLA's per-call scratch for the CNN (34-39 MiB).
 DATA = 4 * startup.KEPT_BLOCK_BYTES  # Like a data set: over the threshold.
@@ -38,12 +31,31 @@ DATA = 4 * startup.KEPT_BLOCK_BYTES  # Like a data set: over the threshold.
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
 
-def _allocate_and_free(nbytes, keep):
+def _run(script, nbytes, keep=True):
+    """Runs the preamble and `script` in a fresh Python; returns its printed words."""
     env = dict(os.environ, KDIST_KEEP_FREED_MEMORY="1" if keep else "0")
-    script = _ALLOCATE_AND_FREE.format(repo=REPO, nbytes=nbytes)
-    result = subprocess.run([sys.executable, "-c", script], env=env,
+    source = (_PREAMBLE + script).format(repo=REPO, nbytes=nbytes)
+    result = subprocess.run([sys.executable, "-c", source], env=env,
                             capture_output=True, text=True, check=True)
-    applied, mapped, heap_after_free = result.stdout.split()
+    return result.stdout.split()
+
+
+# Allocates and frees a buffer of N bytes (numpy allocates through malloc) and
+# prints what mallinfo2 says: bytes in separate mappings while the buffer
+# lives (more than before it), then bytes of heap still held after the free.
+_ALLOCATE_AND_FREE = """
+import numpy as np
+print(startup.keep_freed_memory())
+mapped_before = libc.mallinfo2().hblkhd
+buffer = np.ones({nbytes} // 4, np.float32)
+mapped = libc.mallinfo2().hblkhd - mapped_before
+del buffer
+print(mapped, libc.mallinfo2().arena)
+"""
+
+
+def _allocate_and_free(nbytes, keep):
+    applied, mapped, heap_after_free = _run(_ALLOCATE_AND_FREE, nbytes, keep)
     assert applied == str(keep)
     return int(mapped), int(heap_after_free)
 
@@ -75,18 +87,7 @@ def test_opting_out_keeps_the_c_library_default():
 # 64 MiB. With a 40 MiB block held, a 40 MiB scratch block needs a second
 # heap; the script prints how many bytes that heap's free handed back.
 _THREAD_SCRATCH = """
-import ctypes, sys, threading
-sys.path.insert(0, {repo!r})
-from kdist import startup
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split())]
-
-libc = ctypes.CDLL(None)
-libc.mallinfo2.restype = MallInfo2
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
+import threading
 print(startup.keep_freed_memory())
 returned = []
 
@@ -107,11 +108,7 @@ print(returned[0])
 
 @linux_only
 def test_a_threads_freed_scratch_heap_stays_for_reuse():
-    script = _THREAD_SCRATCH.format(repo=REPO, nbytes=40 << 20)
-    result = subprocess.run([sys.executable, "-c", script],
-                            env=dict(os.environ, KDIST_KEEP_FREED_MEMORY="1"),
-                            capture_output=True, text=True, check=True)
-    applied, returned = result.stdout.split()
+    applied, returned = _run(_THREAD_SCRATCH, 40 << 20)
     assert applied == "True"
     # glibc's default unmaps a heap as soon as it is empty (the 64 MB munmap
     # per call seen with 2 JAX devices); with the top pad it stays.
@@ -121,10 +118,7 @@ def test_a_threads_freed_scratch_heap_stays_for_reuse():
 # Frees a 48 MiB block that the heap keeps (see above), then releases it:
 # prints the resident KiB after the free and after the release.
 _RELEASE = """
-import sys
 import numpy as np
-sys.path.insert(0, {repo!r})
-from kdist import startup
 
 def resident_kib():
     with open("/proc/self/status") as f:
@@ -140,9 +134,6 @@ print(startup.release_freed_memory(), kept, resident_kib())
 
 @linux_only
 def test_released_memory_leaves_the_process():
-    script = _RELEASE.format(repo=REPO, nbytes=SCRATCH)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            check=True, env=dict(os.environ, KDIST_KEEP_FREED_MEMORY="1"))
-    ran, kept_kib, released_kib = result.stdout.split()
+    ran, kept_kib, released_kib = _run(_RELEASE, SCRATCH)
     assert ran == "True"
     assert int(kept_kib) - int(released_kib) >= (SCRATCH >> 10) * 9 // 10

@@ -3,10 +3,11 @@
 An engine has `num_replicas`, `devices`, `scope()`, `prepare(model,
 optimizer, global_batch_size, loss_fn)`, `distribute(stacked)` (K global
 numpy batches stacked by `kdist.training.stack_chunk`), `train_step(chunk,
-num_steps)`, `eval_step(chunk, num_steps)` and `sync_to_model()`. A step call runs the chunk's first
-`num_steps` steps in one compiled call (the rest is padding, so every call
-has one shape) and returns the dict of `kdist.losses.batch_statistics`,
-summed over replicas, as arrays of shape (K,): one value per step.
+num_steps)`, `eval_step(chunk, num_steps)` and `sync_to_model()`. A step
+call runs the chunk's first `num_steps` steps in one compiled call (the
+rest is padding, so every call has one shape) and returns the dict of
+`kdist.losses.batch_statistics`, summed over replicas, as arrays of shape
+(K,): one value per step.
 `keras_fit_callbacks()` is what Keras' own `fit` needs to run safely on
 the same devices (used by `scripts/bench.py`).
 
