@@ -8,7 +8,7 @@ import signal
 import sys
 
 import kdist
-from kdist import cluster, startup
+from kdist import cluster, launch, startup
 
 
 def _positive(kind):
@@ -163,6 +163,7 @@ def _start(parser, args, replicas=None):
 
 
 def main(argv=None):
+    launch.follow_launcher()
     parser = train_parser()
     args = parser.parse_args(argv)
     spec = _cluster_spec(parser, args)
@@ -184,7 +185,8 @@ def main(argv=None):
                                      optimizer_fn=kdist.OPTIMIZERS[args.optimizer])
     except kdist.Interrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
-        return 128 + getattr(signal, stop.signal_name)
+        # A worker stopped by another's signal exits as if terminated.
+        return 128 + getattr(signal, e.signal_name or "SIGTERM")
     except kdist.UsageError as e:
         parser.error(str(e))
     except (kdist.DataError, kdist.CheckpointError, kdist.TrainingError) as e:

@@ -1,14 +1,15 @@
-"""SIGINT/SIGTERM handling: stop at a step boundary, checkpoint, exit non-zero."""
+"""SIGINT/SIGTERM/SIGHUP handling: stop at a step boundary, checkpoint, exit non-zero."""
 
 import contextlib
 import signal
 
 
 class StopRequest:
-    """Set by the first SIGINT/SIGTERM; the loop checks it after every step.
+    """Set by the first SIGINT, SIGTERM or SIGHUP; the loop checks it after every
+    chunk of steps.
 
-    The first signal lets the current step finish so a checkpoint can be
-    written. The handlers are then restored to the defaults, so a second
+    The first signal lets the current chunk of steps finish so a checkpoint
+    can be written. The handlers are then restored to the defaults, so a second
     Ctrl-C raises KeyboardInterrupt at once (checkpoint writes are atomic, so
     that never leaves a half-written checkpoint behind).
     """
@@ -25,14 +26,15 @@ class StopRequest:
 
 @contextlib.contextmanager
 def stop_on_signals(stop):
-    """Routes SIGINT and SIGTERM to `stop` for the duration of the block."""
-    signals = (signal.SIGINT, signal.SIGTERM)
+    """Routes SIGINT, SIGTERM and SIGHUP (a closed terminal) to `stop` for the
+    duration of the block."""
+    signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.getsignal(s) for s in signals}
 
     def handler(signum, frame):
         stop.request(signal.Signals(signum).name)
         for s in signals:
-            signal.signal(s, signal.SIG_DFL if s == signal.SIGTERM else signal.default_int_handler)
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
 
     for s in signals:
         signal.signal(s, handler)
@@ -41,3 +43,44 @@ def stop_on_signals(stop):
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+class AgreedStop:
+    """A stop request that every worker acts on after the same step.
+
+    A signal reaches one worker (a preempted machine), or reaches several at
+    different moments, while every train step is a collective over all of
+    them: a worker that stopped on its own would leave the others waiting in
+    the next step, and the chief might never write its checkpoint. So the loop
+    never reads `request` alone. At the same points of the loop on every
+    worker (after each train chunk and after each epoch), `poll()` asks
+    whether any worker's request is set, through the engine's own collective
+    (`engine.any_worker`); once that is true it stays true, and every worker
+    stops after the same step.
+
+    Args:
+        request: the local request (e.g. a `StopRequest`), read as a bool; None
+            never asks to stop.
+        engine: the run's engine.
+    """
+
+    def __init__(self, request, engine):
+        self.request, self.engine = request, engine
+        self.agreed = False
+
+    def poll(self):
+        """True once any worker has asked to stop; a collective on every worker."""
+        if not self.agreed:
+            self.agreed = bool(self.engine.any_worker(bool(self.request)))
+        return self.agreed
+
+    def __bool__(self):
+        return self.agreed
+
+    @property
+    def signal_name(self):
+        """The signal this process received, or None if another worker's stopped it."""
+        return getattr(self.request, "signal_name", None)
+
+    def reason(self):
+        return self.signal_name or "another worker was asked to stop"

@@ -5,8 +5,11 @@ loopback ports, starts every worker with `--peers` and its `--worker-index`,
 and prints each worker's output lines prefixed with `[worker I]`. If a worker
 exits with an error, the others are stopped and the launcher exits with that
 worker's exit status (128 + N for a worker killed by signal N), after its last
-lines. Every wait is bounded: `--timeout` for the whole run, `--grace` for
-workers to stop. Imports no framework.
+lines. SIGTERM, SIGINT or SIGHUP to the launcher sends SIGTERM to every
+worker: they stop after the same step, the chief checkpoints. If the
+launcher itself is killed, the kernel sends its workers SIGTERM
+(`follow_launcher`). Every wait is bounded: `--timeout` for the whole run,
+`--grace` for workers to stop. Imports no framework.
 """
 
 import argparse
@@ -19,12 +22,19 @@ import sys
 import threading
 import time
 
+from kdist import startup
+
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "scripts", "train.py")
 # Set by the launcher; inherited values would describe another cluster.
 CLUSTER_VARIABLES = ("TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
                      "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID")
 LAST_LINES = 20
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# What train.py returns after it checkpointed and stopped on SIGINT, SIGTERM or SIGHUP.
+STOPPED_STATUSES = tuple(128 + s for s in STOP_SIGNALS)
+LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to follow.
+_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
 def parser():
@@ -77,20 +87,34 @@ class Worker:
             self.last.append(line)
             print(f"[worker {self.index}] {line}", flush=True)
 
-    def stop(self, grace):
-        """SIGTERM (the worker checkpoints at the next step), then SIGKILL after
-        `grace` seconds; waits, bounded, until it is gone. `grace` 0: SIGKILL."""
+    def terminate(self):
+        """SIGTERM: the worker stops after the step all workers agree on."""
         if self.proc.poll() is None:
-            try:
-                if grace > 0:
-                    self.proc.terminate()
-                    self.proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                pass
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+            self.proc.terminate()
+
+    def wait_or_kill(self, deadline):
+        """Waits until `deadline` (time.monotonic()), then SIGKILL; bounded."""
+        try:
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
         self.reader.join(timeout=5)
+
+
+def stop_all(workers, grace):
+    """Stops every worker; returns once none is left.
+
+    SIGTERM goes to every worker at once; they agree on the step to stop
+    after and the chief checkpoints. Any worker still running `grace`
+    seconds later gets SIGKILL. `grace` 0: SIGKILL at once.
+    """
+    if grace > 0:
+        for worker in workers:
+            worker.terminate()
+    deadline = time.monotonic() + grace
+    for worker in workers:
+        worker.wait_or_kill(deadline)
 
 
 def exit_status(returncode):
@@ -103,6 +127,7 @@ def start(num_workers, train_args):
     peers = ",".join(f"127.0.0.1:{port}" for port in ports)
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     env["PYTHONUNBUFFERED"] = "1"
+    env[LAUNCHER_VARIABLE] = str(os.getpid())
     workers = []
     for index in range(num_workers):
         command = [sys.executable, TRAIN, *train_args, "--peers", peers,
@@ -125,6 +150,8 @@ def supervise(workers, timeout, grace):
             if code is None:
                 continue
             running.remove(worker)
+            if code in STOPPED_STATUSES:
+                return stopped(worker, workers, grace)
             if code != 0:
                 return fail(worker, workers, grace, f"exited with status {exit_status(code)}")
         if time.monotonic() > deadline:
@@ -135,6 +162,20 @@ def supervise(workers, timeout, grace):
     return 0
 
 
+def stopped(worker, workers, grace):
+    """A worker stopped on a signal, after a checkpoint: every worker stops after
+    that same step, so the others get `grace` seconds to exit on their own.
+
+    Returns the worker's exit status.
+    """
+    deadline = time.monotonic() + grace
+    for other in workers:
+        other.wait_or_kill(deadline)
+    print(f"launch: stopped on a signal after a checkpoint (worker {worker.index} exited "
+          f"first, status {worker.proc.returncode})", file=sys.stderr, flush=True)
+    return worker.proc.returncode
+
+
 def fail(dead, workers, grace, what):
     """Kills every worker, reports `dead`'s last lines, returns its exit status.
 
@@ -143,8 +184,7 @@ def fail(dead, workers, grace, what):
     the step boundary where they checkpoint. Killing is safe: checkpoint
     writes are atomic. After the timeout the workers get `grace` to stop.
     """
-    for worker in workers:
-        worker.stop(grace if dead is None else 0)
+    stop_all(workers, grace if dead is None else 0)
     if dead is None:
         print(f"launch: error: workers {what}; stopped them all", file=sys.stderr, flush=True)
         return 1
@@ -165,22 +205,39 @@ def main(argv=None):
         parser().error("the launcher sets --peers and --worker-index itself; drop them")
     workers = start(args.workers, train_args)
 
-    def on_signal(signum, frame):  # SIGTERM like Ctrl-C: every worker checkpoints and stops.
+    def on_signal(signum, frame):  # Like Ctrl-C: every worker checkpoints and stops.
         raise KeyboardInterrupt
 
-    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)  # A closed terminal.
     try:
         return supervise(workers, args.timeout, args.grace)
     except KeyboardInterrupt:
         for s in previous:  # Further signals must not cut the bounded clean-up short.
             signal.signal(s, signal.SIG_IGN)
-        for worker in workers:
-            worker.stop(args.grace)
+        stop_all(workers, args.grace)
         print("launch: interrupted; stopped every worker", file=sys.stderr)
         return 130
     finally:
-        for worker in workers:  # Nothing outlives the launcher.
-            worker.stop(args.grace)
+        stop_all(workers, args.grace)  # Nothing outlives the launcher.
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def follow_launcher(environ=os.environ):
+    """In a worker the launcher started: be sent SIGTERM when the launcher dies.
+
+    A launcher killed outright (SIGKILL, an out-of-memory kill) cannot stop
+    its workers; the kernel then signals them (Linux `prctl(PR_SET_DEATHSIG)`)
+    and they stop as on a SIGTERM from the launcher. Returns whether this
+    process follows a launcher.
+    """
+    launcher = environ.get(LAUNCHER_VARIABLE)
+    prctl = startup.libc_function("prctl")
+    if not launcher or prctl is None:
+        return False
+    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # It died before the call above.
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True

@@ -72,7 +72,7 @@ def keep_freed_memory():
     musl) nothing changes. `KDIST_KEEP_FREED_MEMORY=0` keeps the C library's
     defaults.
     """
-    mallopt = _glibc_function("mallopt")
+    mallopt = libc_function("mallopt")
     if os.environ.get("KDIST_KEEP_FREED_MEMORY") == "0" or mallopt is None:
         return False
     return all([mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
@@ -88,15 +88,16 @@ def release_freed_memory():
     released before the program first runs, the peak RSS of a 2-device run
     fell from 777 to 623 MB. Returns whether it ran (glibc only).
     """
-    malloc_trim = _glibc_function("malloc_trim")
+    malloc_trim = libc_function("malloc_trim")
     if malloc_trim is None:
         return False
     malloc_trim(0)
     return True
 
 
-def _glibc_function(name):
-    """The C library's function `name`, or None where it has none (macOS, musl)."""
+def libc_function(name):
+    """The C library's function `name`, or None where it has none (`mallopt` on
+    macOS or musl, `prctl` outside Linux)."""
     try:
         return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):

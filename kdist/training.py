@@ -15,7 +15,7 @@ import time
 import keras
 import numpy as np
 
-from kdist import checkpoints, data, engines, losses, reporting
+from kdist import checkpoints, data, engines, interrupt, losses, reporting
 from kdist.model import create_model
 from kdist.startup import UsageError
 
@@ -82,7 +82,7 @@ def zero_totals():
     return dict(loss_sum=0.0, correct=0.0, count=0.0)
 
 
-def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
+def run_steps(engine, step_fn, batches, totals=None, on_step=None, should_stop=None,
               steps_per_execution=1):
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
@@ -90,8 +90,9 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
     call each (a short last chunk is padded with zero-weight batches that the
     engine skips, so every call has the same shapes); statistics come back
     once per chunk and are then accounted step by step (`on_step(steps done,
-    step stats, totals)`). Stops after the chunk during which `stop` became
-    true. Returns (totals, steps run).
+    step stats, totals)`). After each chunk `should_stop()` is called, on
+    every worker at the same point; when it returns true, no further chunk
+    runs. Returns (totals, steps run).
     """
     totals = zero_totals() if totals is None else dict(totals)
     done = 0
@@ -112,7 +113,7 @@ def run_steps(engine, step_fn, batches, totals=None, on_step=None, stop=None,
             done += 1
             if on_step is not None:
                 on_step(done, stats, totals)
-        if stop:
+        if should_stop is not None and should_stop():
             break
     return totals, done
 
@@ -138,7 +139,15 @@ def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
 
 
 class Interrupted(RuntimeError):
-    """Training stopped on a signal after writing a checkpoint."""
+    """Training stopped on a signal after writing a checkpoint.
+
+    `signal_name` is the signal this process received ("SIGTERM", ...), or
+    None when another worker's signal stopped every worker.
+    """
+
+    def __init__(self, message, signal_name=None):
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam,
@@ -154,16 +163,21 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
         loss_fn: (labels, predictions) -> per-example losses, shape (batch,).
         log: called with each line to print.
         stop: if it becomes true (e.g. a `kdist.interrupt.StopRequest`),
-            training ends at the next step with a checkpoint and `Interrupted`.
+            training ends after the current chunk of steps with a checkpoint
+            and `Interrupted`. With several workers, every worker stops
+            after the same step when any one's `stop` is true.
 
     Returns a dict with `history` (one record per epoch) and `restored` (the
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn)
+    stop = interrupt.AgreedStop(stop, run.engine)
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
     if not chief:
         log = _quiet
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note))
+    if stop.poll():  # Asked to stop while starting: nothing new to save.
+        raise Interrupted(f"{stop.reason()}: stopped before training started", stop.signal_name)
     metrics = reporting.MetricsWriter(config.metrics_file if chief else None)
     history = run.position["history"]
     for epoch in range(run.position["epoch"], config.epochs):
@@ -171,11 +185,12 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
         history.append(record)
         log(reporting.format_epoch(record, config.epochs))
         metrics.epoch(record)
-        if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stop:
+        stopping = stop.poll()  # A signal may have come during the evaluation.
+        if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stopping:
             log(f"Saved checkpoint {run.save(epoch + 1, 0, None, history)}")
-        if stop:
-            raise Interrupted(f"{stop.signal_name}: stopped after epoch {epoch + 1}; run the "
-                              "same command to resume")
+        if stopping:
+            raise Interrupted(f"{stop.reason()}: stopped after epoch {epoch + 1}; run the "
+                              "same command to resume", stop.signal_name)
 
     if not chief:  # The chief's checkpoint may not be visible here yet.
         return {"history": history, "restored": None}
@@ -221,12 +236,12 @@ class _Run:
             shard=self.engine.shard)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
         totals, done = run_steps(self.engine, self.engine.train_step, batches, totals,
-                                 on_step, stop, self.config.steps_per_execution)
+                                 on_step, stop.poll, self.config.steps_per_execution)
         if stop and first_step + done < self.steps:
             path = self.save(epoch, first_step + done, totals, self.position["history"])
-            raise Interrupted(f"{stop.signal_name}: stopped at epoch {epoch + 1}, step "
+            raise Interrupted(f"{stop.reason()}: stopped at epoch {epoch + 1}, step "
                               f"{first_step + done}; saved {path}; run the same command "
-                              "to resume")
+                              "to resume", stop.signal_name)
         seconds = time.perf_counter() - start
         train_loss, train_accuracy = summarize(totals)
         test_loss, test_accuracy = evaluate(

@@ -6,16 +6,18 @@ or by hand; every process and every wait has a timeout.
 
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from conftest import REPO
-from kdist import launch
+from kdist import checkpoints, launch
 from test_training import checkpoint_arrays
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
@@ -96,10 +98,20 @@ class Lines:
     def _pump(self, stream):
         for line in stream:
             self.queue.put(line)
+        self.queue.put(None)  # The end of the stream.
+
+    def rest(self, timeout=30):
+        """Every line seen, once the stream has ended."""
+        while True:
+            line = self.queue.get(timeout=timeout)
+            if line is None:
+                return self.seen
+            self.seen.append(line)
 
     def wait_for(self, text, timeout=120):
         while True:
             line = self.queue.get(timeout=timeout)  # queue.Empty fails the test.
+            assert line is not None, "".join(self.seen)
             self.seen.append(line)
             if text in line:
                 return line
@@ -114,12 +126,12 @@ def alive(pid):
         return f.read().split(") ")[1][0] != "Z"
 
 
-def launch_long_run(tmp_path, act):
+def launch_long_run(tmp_path, act, grace=60):
     """Starts 2 workers on a long run, calls act(launcher, worker pids) once the chief
-    trains; returns (launcher exit status, its stderr, worker pids)."""
+    trains; returns (launcher exit status, its stdout lines, its stderr, worker pids)."""
     proc = subprocess.Popen(
-        [sys.executable, LAUNCH, "--workers", "2", "--timeout", "200", "--grace", "10", "--",
-         "--synthetic", "--epochs", "100", "--batch-size-per-replica", "8", "--quiet",
+        [sys.executable, LAUNCH, "--workers", "2", "--timeout", "200", "--grace", str(grace),
+         "--", "--synthetic", "--epochs", "100", "--batch-size-per-replica", "8", "--quiet",
          "--checkpoint-dir", str(tmp_path / "ckpt")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(tmp_path))
     try:
@@ -128,26 +140,71 @@ def launch_long_run(tmp_path, act):
         lines.wait_for("[worker 0] Checkpoints: ")
         act(proc, pids)
         err = proc.stderr.read()  # Ends when the launcher exits.
-        return proc.wait(timeout=60), err, pids
+        status = proc.wait(timeout=60)
+        return status, lines.rest(), err, pids
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
 
 
+def stop_steps(out):
+    """{worker index: the step at which it says it stopped}, from the launcher's output."""
+    found = {}
+    for line in out:
+        match = re.match(r"\[worker (\d)\] interrupted: .*stopped at epoch 1, step (\d+);", line)
+        if match:
+            found[int(match[1])] = int(match[2])
+    return found
+
+
+def assert_stopped_together(tmp_path, out, pids):
+    """Every worker stopped after the same step and the chief saved it."""
+    assert not [pid for pid in pids if alive(pid)]
+    steps = stop_steps(out)
+    assert sorted(steps) == [0, 1] and steps[0] == steps[1], out
+    saved = os.listdir(tmp_path / "ckpt")
+    assert len(saved) == 1
+    meta = checkpoints.read_metadata(str(tmp_path / "ckpt" / saved[0]))
+    assert (meta["epoch"], meta["step_in_epoch"]) == (0, steps[0])
+
+
 def test_a_killed_worker_stops_the_launcher_and_every_worker(tmp_path):
-    status, err, pids = launch_long_run(tmp_path, lambda proc, pids: os.kill(pids[1], 9))
+    status, _, err, pids = launch_long_run(tmp_path, lambda proc, pids: os.kill(pids[1], 9))
     assert status == 128 + signal.SIGKILL
     assert err.startswith(f"launch: error: worker 1 exited with status {128 + 9}")
     assert not [pid for pid in pids if alive(pid)]
 
 
-def test_sigterm_to_the_launcher_checkpoints_and_stops_every_worker(tmp_path):
-    status, err, pids = launch_long_run(
-        tmp_path, lambda proc, pids: proc.send_signal(signal.SIGTERM))
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_to_the_launcher_checkpoints_and_stops_every_worker(tmp_path, signum):
+    status, out, err, pids = launch_long_run(
+        tmp_path, lambda proc, pids: proc.send_signal(signum))
     assert status == 130 and "launch: interrupted; stopped every worker" in err
+    assert_stopped_together(tmp_path, out, pids)
+
+
+@pytest.mark.parametrize("index", [0, 1])
+def test_sigterm_to_one_worker_stops_every_worker_at_the_same_step(tmp_path, index):
+    status, out, err, pids = launch_long_run(
+        tmp_path, lambda proc, pids: os.kill(pids[index], signal.SIGTERM))
+    assert status == 128 + signal.SIGTERM, err
+    assert err.startswith("launch: stopped on a signal after a checkpoint (worker ")
+    assert_stopped_together(tmp_path, out, pids)
+    other = [line for line in out if line.startswith(f"[worker {1 - index}] interrupted: ")]
+    assert other and "another worker was asked to stop" in other[0]
+
+
+def test_killing_the_launcher_stops_its_workers_after_a_checkpoint(tmp_path):
+    def kill_launcher(proc, pids):
+        proc.kill()
+        deadline = time.monotonic() + 120
+        while [pid for pid in pids if alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+    _, _, _, pids = launch_long_run(tmp_path, kill_launcher)
     assert not [pid for pid in pids if alive(pid)]
-    assert os.listdir(tmp_path / "ckpt")  # The chief's stop checkpoint.
+    assert os.listdir(tmp_path / "ckpt")  # They stopped on SIGTERM, not on SIGKILL.
 
 
 @pytest.mark.parametrize("index", [0, 1])

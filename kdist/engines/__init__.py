@@ -13,7 +13,9 @@ the same devices (used by `scripts/bench.py`).
 
 With several workers (`connect`), an engine also says where this process
 stands: `shard` = (worker index, worker count) (the slice of every global
-batch it feeds), `num_local_replicas` (its own devices) and `is_chief`.
+batch it feeds), `num_local_replicas` (its own devices) and `is_chief`;
+`any_worker(flag)` tells whether `flag` is true on any worker (a collective
+that every worker calls at the same point; no communication with one).
 """
 
 import importlib

@@ -7,6 +7,8 @@ import contextlib
 
 import jax
 import keras
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kdist import losses, startup
@@ -189,6 +191,15 @@ class Engine:
         the block is explicit here too.
         """
         return jax.block_until_ready(self._eval_steps(self.state, chunk, num_steps))
+
+    def any_worker(self, flag):
+        """Whether `flag` is true on any worker: an all-gather every process calls
+        at the same point; it returns host values, so it is waited for. With
+        one process, no communication."""
+        if self.shard[1] == 1:
+            return bool(flag)
+        flags = multihost_utils.process_allgather(np.array([bool(flag)], np.int32))
+        return bool(np.any(flags))
 
     def keras_fit_callbacks(self):
         """Callbacks that keep Keras' fit/evaluate alive on several CPU devices."""

@@ -101,6 +101,7 @@ class Engine:
             self.devices = [None]  # No placement: TF's default device.
         self.num_replicas = self.strategy.num_replicas_in_sync
         self.num_local_replicas = len(self.devices)
+        self._sum_over_replicas = None  # The tf.function of `any_worker`, traced once.
 
     def scope(self):
         """Context in which the model, optimizer and variables must be created."""
@@ -179,6 +180,18 @@ class Engine:
 
     def eval_step(self, chunk, num_steps):
         return self._eval_step(chunk, tf.constant(num_steps))
+
+    def any_worker(self, flag):
+        """Whether `flag` is true on any worker: an all-reduce every worker calls
+        at the same point. With one worker, no communication."""
+        if self.shard[1] == 1:
+            return bool(flag)
+        if self._sum_over_replicas is None:
+            self._sum_over_replicas = tf.function(
+                lambda values: self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, None))
+        values = self.strategy.experimental_distribute_values_from_function(
+            lambda ctx: tf.constant(float(bool(flag))))
+        return float(self._sum_over_replicas(values)) > 0
 
     def keras_fit_callbacks(self):
         """Keras' fit needs nothing extra under a TF strategy."""
