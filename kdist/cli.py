@@ -6,6 +6,7 @@ import importlib.util
 import os
 import signal
 import sys
+import warnings
 
 import kdist
 from kdist import cluster, launch, startup
@@ -85,6 +86,10 @@ def train_parser():
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
                         help="adam, or plain sgd (for exact comparisons between runs; "
                              "--learning-rate applies to either) (default: %(default)s)")
+    parser.add_argument("--break-lock", action="store_true",
+                        help="take --checkpoint-dir even if another run holds its lock "
+                             "(only when that run is gone; a lock whose process has ended "
+                             "on this host is taken over without it)")
     _add_common(parser)
     _add_multiworker(parser)
     return parser
@@ -143,13 +148,27 @@ def _log(line):
     print(line, flush=True)  # Line by line, also into pipes and `tee`.
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """Shows kdist's checkpoint warnings as one `warning: ...` line on stderr."""
+    from kdist.checkpoints import CheckpointWarning
+
+    if issubclass(category, CheckpointWarning):
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _DEFAULT_SHOWWARNING(message, category, filename, lineno, file, line)
+
+
+_DEFAULT_SHOWWARNING = warnings.showwarning
+
+
 def _fail(message):
     print(f"error: {message}", file=sys.stderr)
     return 1
 
 
 def _start(parser, args, replicas=None):
-    """Sets devices and log levels, then imports the frameworks (quietly)."""
+    """Sets devices, log levels and warning lines, then imports the frameworks (quietly)."""
+    warnings.showwarning = _show_warning
     try:
         startup.prepare_environment(replicas, args.verbose)
     except startup.UsageError as e:
@@ -176,7 +195,8 @@ def main(argv=None):
         keep=args.keep, resume=args.resume, seed=args.seed,
         steps_per_epoch=args.steps_per_epoch, metrics_file=args.metrics_file,
         steps_per_execution=args.steps_per_execution,
-        progress=sys.stdout.isatty() and not args.quiet and spec.is_chief)
+        progress=sys.stdout.isatty() and not args.quiet and spec.is_chief,
+        break_lock=args.break_lock)
     stop = kdist.StopRequest()
     try:
         dataset = load_data(args)

@@ -32,11 +32,16 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note):
 
 
 def format_epoch(record, epochs):
-    """The tutorial's epoch line, with accuracies in percent and the epoch's speed."""
+    """The tutorial's epoch line, with accuracies in percent and the epoch's speed.
+
+    An epoch with no steps left to train when it resumed has no speed (its
+    `seconds` is None).
+    """
+    speed = ("trained before the resume" if record["seconds"] is None else
+             f"{record['seconds']:.1f} s, {record['samples_per_sec']:,.0f} samples/s")
     return (f"Epoch {record['epoch']}/{epochs}, Loss: {record['train_loss']:.4f}, "
             f"Accuracy: {record['train_accuracy']:.2f}%, Test Loss: {record['test_loss']:.4f}, "
-            f"Test Accuracy: {record['test_accuracy']:.2f}% "
-            f"({record['seconds']:.1f} s, {record['samples_per_sec']:,.0f} samples/s)")
+            f"Test Accuracy: {record['test_accuracy']:.2f}% ({speed})")
 
 
 class MetricsWriter:

@@ -37,6 +37,7 @@ class TrainConfig:
     steps_per_execution: int = 8  # Train steps per compiled call (see README).
     metrics_file: str | None = None
     progress: bool = False
+    break_lock: bool = False  # Take the folder's lock even from a live run (see kdist.runlock).
 
 
 class TrainingError(RuntimeError):
@@ -171,7 +172,16 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn)
-    stop = interrupt.AgreedStop(stop, run.engine)
+    try:
+        return _train(run, log, interrupt.AgreedStop(stop, run.engine))
+    finally:
+        run.manager.release()
+
+
+def _train(run, log, stop):
+    """The epochs, checkpoints and final evaluation of `train_and_evaluate`;
+    `stop` is an `AgreedStop`."""
+    config, dataset = run.config, run.dataset
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
     if not chief:
         log = _quiet
@@ -195,8 +205,8 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     if not chief:  # The chief's checkpoint may not be visible here yet.
         return {"history": history, "restored": None}
     latest = run.manager.latest()
-    restored = evaluate_checkpoint(latest[0], dataset, model_fn, loss_fn, run.global_batch,
-                                   config.steps_per_execution)
+    restored = evaluate_checkpoint(latest[0], dataset, run.model_fn, run.loss_fn,
+                                   run.global_batch, config.steps_per_execution)
     log(f"Accuracy after restoring {latest[0]} without distribution: "
         f"{restored['test_accuracy']:.2f}%")
     metrics.restored(restored)
@@ -208,6 +218,7 @@ class _Run:
 
     def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn):
         self.config, self.dataset = config, dataset
+        self.model_fn, self.loss_fn = model_fn, loss_fn
         self.engine = engines.create_engine(config.replicas)
         self.global_batch = config.batch_size_per_replica * self.engine.num_replicas
         self.steps = data.steps_per_epoch(len(dataset.train_images), self.global_batch,
@@ -217,12 +228,17 @@ class _Run:
                              f"global batch of {self.global_batch}; lower "
                              "--batch-size-per-replica")
         self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
-        if self.engine.is_chief:
-            self.manager.prepare()
-        keras.utils.set_random_seed(config.seed)
-        self.model, optimizer = build(self.engine, model_fn, optimizer_fn, config.learning_rate)
-        self.position, self.note = _resume_position(config, self.manager, self.model)
-        self.engine.prepare(self.model, optimizer, self.global_batch, loss_fn)
+        if self.engine.is_chief:  # Only the chief writes there, so only it locks.
+            self.manager.prepare(lock=True, break_lock=config.break_lock)
+        try:
+            keras.utils.set_random_seed(config.seed)
+            self.model, optimizer = build(self.engine, model_fn, optimizer_fn,
+                                          config.learning_rate)
+            self.position, self.note = _resume_position(config, self.manager, self.model)
+            self.engine.prepare(self.model, optimizer, self.global_batch, loss_fn)
+        except BaseException:
+            self.manager.release()
+            raise
 
     def train_epoch(self, epoch, stop):
         """Trains one epoch (or its rest, when resuming) and evaluates; returns its record."""
@@ -247,9 +263,11 @@ class _Run:
         test_loss, test_accuracy = evaluate(
             self.engine, self.dataset.test_images, self.dataset.test_labels,
             self.global_batch, self.config.steps_per_execution)
+        if not done:  # Resumed past this epoch's last step (its steps per epoch shrank).
+            seconds = None
         return dict(epoch=epoch + 1, train_loss=train_loss, train_accuracy=train_accuracy,
                     test_loss=test_loss, test_accuracy=test_accuracy, seconds=seconds,
-                    samples_per_sec=done * self.global_batch / seconds)
+                    samples_per_sec=done * self.global_batch / seconds if done else None)
 
     def save(self, epoch, step_in_epoch, totals, history):
         """Checkpoints the position `step_in_epoch` steps into epoch `epoch` (0-based)."""

@@ -5,6 +5,7 @@ and TF's CPU split must precede its first op, so both happen here, at import.
 """
 
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -43,3 +44,18 @@ def batch():
     images = rng.uniform(0, 1, (32, 28, 28, 1)).astype(np.float32)
     labels = rng.integers(0, 10, 32).astype(np.int32)
     return images, labels, np.ones(32, np.float32)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 2.2 MB tmpfs: room for one checkpoint (1.5 MB) but not for a second."""
+    folder = tmp_path / "tmpfs"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2200k", "tmpfs", str(folder)],
+                             capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)

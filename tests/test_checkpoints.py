@@ -1,8 +1,11 @@
 """Checkpoints: portable, atomic, pruned, and never lost to a bad write."""
 
+import errno
+import json
 import os
 
 import keras
+import h5py
 import numpy as np
 import pytest
 
@@ -88,7 +91,8 @@ def test_failed_rename_leaves_previous_checkpoints_valid(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(OSError, match="No space"):
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=f"^cannot write checkpoint in {tmp_path}: No space left on device$"):
         save(manager, model, 2)
     monkeypatch.undo()
     assert manager.paths() == [good]
@@ -130,3 +134,169 @@ def test_starting_over_replaces_the_old_run_only_when_it_saves(tmp_path):
         save(manager, model, step)
     save(manager, model, 50)  # A new run (--no-resume) writes its first checkpoint.
     assert [os.path.basename(p) for p in manager.paths()] == ["ckpt-00000050.weights.h5"]
+
+
+def test_failed_flush_is_one_clear_error_and_removes_the_temporary_file(tmp_path, monkeypatch):
+    _, model = trained_model()
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager.prepare()
+    good = save(manager, model, 1)
+
+    def full(fd):  # Where a full disk or a failing NFS server reports a lost write.
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=f"^cannot write checkpoint in {tmp_path}: No space left on device$"):
+        save(manager, model, 2)
+    monkeypatch.undo()
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(good)]
+    assert manager.latest()[0] == good
+
+
+def test_full_disk_is_one_clear_error_and_keeps_the_older_checkpoint(small_tmpfs):
+    _, model = trained_model()
+    manager = checkpoints.CheckpointManager(str(small_tmpfs / "ckpt"))
+    manager.prepare()
+    good = save(manager, model, 1)
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=f"^cannot write checkpoint in {small_tmpfs}/ckpt: "
+                             "No space left on device$"):
+        save(manager, model, 2)
+    assert os.listdir(small_tmpfs / "ckpt") == [os.path.basename(good)]
+    assert manager.latest()[0] == good
+
+
+def damage_weights(path, name="layers/dense/vars/0"):
+    """Overwrites 16 bytes of dataset `name` in place with other finite values."""
+    with h5py.File(path, "r") as f:
+        offset = f[name].id.get_offset()
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(np.full(4, 0.5, np.float32).tobytes())
+    assert os.path.getsize(path) == size
+
+
+def test_damaged_weights_fail_the_checksum_and_fall_back(tmp_path):
+    _, model = trained_model()
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager.prepare()
+    good = save(manager, model, 1)
+    bad = save(manager, model, 2)
+    damage_weights(bad)
+    assert checkpoints.read_metadata(bad)["step"] == 2  # Its metadata still reads.
+    with pytest.warns(checkpoints.CheckpointWarning, match="ckpt-00000002.*checksum"):
+        path, meta = manager.latest()
+    assert path == good and meta["step"] == 1
+    with pytest.warns(checkpoints.CheckpointWarning, match="ckpt-00000002"):
+        assert checkpoints.latest_checkpoint(str(tmp_path)) == good
+    with pytest.raises(checkpoints.CheckpointError, match="ckpt-00000002.*checksum"):
+        checkpoints.restore(model, bad)
+
+
+def test_non_finite_weights_are_never_written(tmp_path):
+    _, model = trained_model()
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager.prepare()
+    good = save(manager, model, 1)
+    kernel = model.layers[-1].kernel
+    kernel.assign(np.full(kernel.shape, np.nan, np.float32))
+    with pytest.raises(checkpoints.CheckpointError,
+                       match="refusing to write checkpoint .*ckpt-00000002.*non-finite values "
+                             "in layers/dense_1/vars/0"):
+        save(manager, model, 2)
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(good)]
+
+
+def write_format_1(model, path, step):
+    """A checkpoint as kdist wrote them before checksums (format 1)."""
+    model.save_weights(path)
+    meta = dict(format="kdist-checkpoint-1", step=step, epoch=step, step_in_epoch=0,
+                signature=checkpoints.model_signature(model))
+    with h5py.File(path, "a") as f:
+        f.attrs["kdist"] = json.dumps(meta)
+
+
+def test_format_1_checkpoints_load_unless_their_values_are_not_finite(tmp_path, batch):
+    _, model = trained_model()
+    old = str(tmp_path / "ckpt-00000001.weights.h5")
+    write_format_1(model, old, 1)
+    assert checkpoints.CheckpointManager(str(tmp_path)).latest()[0] == old
+    fresh = trained_model(seed=1)[1]
+    checkpoints.restore(fresh, old)
+    np.testing.assert_array_equal(np.asarray(fresh(batch[0])), np.asarray(model(batch[0])))
+
+    kernel = model.layers[-1].kernel
+    kernel.assign(np.full(kernel.shape, np.inf, np.float32))
+    write_format_1(model, str(tmp_path / "ckpt-00000002.weights.h5"), 2)
+    with pytest.warns(checkpoints.CheckpointWarning, match="ckpt-00000002.*non-finite"):
+        assert checkpoints.latest_checkpoint(str(tmp_path)) == old
+
+
+def test_files_kdist_did_not_write_are_never_removed(tmp_path):
+    _, model = trained_model()
+    foreign = tmp_path / "ckpt-00000001.weights.h5"
+    model.save_weights(str(foreign))  # A Keras weights file, without kdist's metadata.
+    content = foreign.read_bytes()
+    manager = checkpoints.CheckpointManager(str(tmp_path), keep=1)
+    manager.prepare()
+    with pytest.warns(checkpoints.CheckpointWarning,
+                      match="leaving .*ckpt-00000001.weights.h5 in place: kdist cannot tell "
+                            "it wrote it \\(it has no kdist metadata\\)"):
+        save(manager, model, 2)
+        save(manager, model, 3)
+    assert foreign.read_bytes() == content
+    assert [os.path.basename(p) for p in manager.paths()] == ["ckpt-00000003.weights.h5"]
+
+
+def test_a_foreign_file_holding_the_needed_name_is_set_aside(tmp_path):
+    _, model = trained_model()
+    (tmp_path / "ckpt-00000002.weights.h5").write_bytes(b"someone's notes")
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager.prepare()
+    with pytest.warns(checkpoints.CheckpointWarning, match="moved .*ckpt-00000002"):
+        path = save(manager, model, 2)
+    assert (tmp_path / "ckpt-00000002.weights.h5.set-aside-1").read_bytes() == \
+        b"someone's notes"
+    assert manager.latest()[0] == path
+
+
+def test_only_kdist_temporary_files_are_removed_on_start(tmp_path):
+    for name in (".tmp-notes.txt", ".tmp-123-ckpt.weights.h5", ".tmp-9-probe"):
+        (tmp_path / name).write_text("x")
+    checkpoints.CheckpointManager(str(tmp_path)).prepare()
+    assert os.listdir(tmp_path) == [".tmp-notes.txt"]
+
+
+def save_at(manager, model, step, epoch, step_in_epoch=0):
+    return manager.save(model, step, metadata=dict(
+        epoch=epoch, step_in_epoch=step_in_epoch, history=[], backend="x", replicas=2,
+        seed=0))
+
+
+def test_order_and_pruning_follow_training_progress_not_the_step_number(tmp_path):
+    _, model = trained_model()
+    manager = checkpoints.CheckpointManager(str(tmp_path), keep=3)
+    manager.prepare()
+    save_at(manager, model, 6, epoch=1)
+    save_at(manager, model, 12, epoch=2)  # 6 steps per epoch...
+    save_at(manager, model, 9, epoch=3)  # ...then 3: a lower global step, yet newer.
+    names = [os.path.basename(p) for p in manager.paths()]
+    assert names == ["ckpt-00000006.weights.h5", "ckpt-00000012.weights.h5",
+                     "ckpt-00000009.weights.h5"]
+    assert manager.latest()[1]["epoch"] == 3
+    save_at(manager, model, 10, epoch=3, step_in_epoch=1)
+    names = [os.path.basename(p) for p in manager.paths()]
+    assert names == ["ckpt-00000012.weights.h5", "ckpt-00000009.weights.h5",
+                     "ckpt-00000010.weights.h5"]
+
+
+def test_an_unlistable_folder_is_a_clear_error(tmp_path, monkeypatch):
+    def denied(path):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
+
+    monkeypatch.setattr(os, "listdir", denied)
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=f"cannot read checkpoint folder {tmp_path}: Permission denied"):
+        checkpoints.latest_checkpoint(str(tmp_path))

@@ -166,3 +166,57 @@ def test_bench_runs_briefly_and_ends_with_its_json_line():
     assert summary["replicas"] == 2 and summary["kdist_samples_per_sec"] > 0
     ratio = summary["kdist_samples_per_sec"] / summary["fit_samples_per_sec"]
     assert abs(summary["ratio"] / ratio - 1) < 0.01  # The JSON rounds samples/s.
+
+
+def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    common = SMALL + ["--epochs", "2", "--steps-per-epoch", "300", "--checkpoint-dir", folder]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    first = subprocess.Popen([sys.executable, TRAIN, *common], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        banner = [first.stdout.readline() for _ in range(5)]
+        assert banner[-1].startswith("Checkpoints: "), banner
+        second = script(TRAIN, *common)
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert second.returncode == 1
+    assert second.stderr.startswith(f"error: checkpoint folder {folder} is in use by another "
+                                    f"run (pid {first.pid} on host ")
+    assert second.stderr.count("\n") == 1
+    assert first.returncode == 128 + signal.SIGTERM
+    assert "kdist.lock" not in os.listdir(folder)  # Released on the way out.
+
+
+def test_full_disk_is_one_error_line_and_the_older_checkpoint_stays(small_tmpfs):
+    folder = str(small_tmpfs / "ckpt")
+    result = script(TRAIN, *SMALL, "--epochs", "2", "--steps-per-epoch", "2",
+                    "--checkpoint-every", "1", "--checkpoint-dir", folder)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == f"error: cannot write checkpoint in {folder}: " \
+                            "No space left on device\n"
+    assert os.listdir(folder) == ["ckpt-00000002.weights.h5"]
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
+    from test_checkpoints import damage_weights
+
+    folder = str(tmp_path / "ckpt")
+    common = SMALL + ["--steps-per-epoch", "3", "--checkpoint-every", "1",
+                      "--checkpoint-dir", folder]
+    assert script(TRAIN, *common, "--epochs", "2").returncode == 0
+    damaged = os.path.join(folder, "ckpt-00000006.weights.h5")
+    damage_weights(damaged)
+    warning = (f"warning: skipping checkpoint {damaged}: its weights do not match its "
+               "checksum (damaged file)\n")
+    evaluated = script(EVALUATE, "--synthetic", "--checkpoint-dir", folder)
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert evaluated.stderr == warning
+    assert evaluated.stdout.startswith(os.path.join(folder, "ckpt-00000003.weights.h5: "))
+    resumed = script(TRAIN, *common, "--epochs", "3")
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stderr.startswith(warning)
+    assert resumed.stdout.splitlines()[4].endswith(
+        "resumed from ckpt-00000003.weights.h5 (end of epoch 1; written by "
+        f"{os.environ['KERAS_BACKEND']} with 2 replica(s))")

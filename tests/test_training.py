@@ -91,3 +91,66 @@ def test_metrics_file_has_one_line_per_epoch_and_the_restored_result(tmp_path, s
                        "train_accuracy,train_loss")  # keras.callbacks.CSVLogger's layout.
     assert [row.split(",")[0] for row in rows[1:]] == ["0", "1"]
     assert float(rows[2].split(",")[3]) == lines[1]["test_accuracy"]
+
+
+def test_lock_is_held_while_training_and_released_on_every_exit(tmp_path, small_dataset):
+    lock = tmp_path / "run" / "kdist.lock"
+    holder = checkpoints.CheckpointManager(str(tmp_path / "run"))
+    holder.prepare(lock=True)
+    with pytest.raises(checkpoints.CheckpointError, match="in use by another run"):
+        run(config(tmp_path, "run", epochs=1), small_dataset)
+    assert lock.exists()  # The refused run leaves the holder's lock alone.
+    holder.release()
+
+    run(config(tmp_path, "run", epochs=1), small_dataset)
+    assert not lock.exists()
+
+    def exploding_loss(labels, logits):
+        return losses.sparse_categorical_crossentropy(labels, logits) / 0.0
+
+    with pytest.raises(training.TrainingError):
+        training.train_and_evaluate(config(tmp_path, "run", epochs=2), small_dataset,
+                                    loss_fn=exploding_loss, log=lambda line: None)
+    assert not lock.exists()
+    with pytest.raises(training.Interrupted):
+        training.train_and_evaluate(config(tmp_path, "run", epochs=3), small_dataset,
+                                    log=lambda line: None, stop=StopAfter(1))
+    assert not lock.exists()
+
+
+class StopAfter:
+    """A stop request that turns true after `chunks` compiled calls (steps, with 1 per call)."""
+
+    signal_name = "SIGTERM"
+
+    def __init__(self, chunks):
+        self.checks = 0
+        self.chunks = chunks
+
+    def __bool__(self):
+        self.checks += 1
+        return self.checks >= self.chunks
+
+
+def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
+        tmp_path, small_dataset):
+    run(config(tmp_path, "run", epochs=1, keep=3), small_dataset)
+    with pytest.raises(training.Interrupted, match="epoch 2, step 4"):
+        training.train_and_evaluate(
+            config(tmp_path, "run", epochs=3, keep=3, steps_per_execution=1), small_dataset,
+            log=lambda line: None, stop=StopAfter(4))
+    lines = []
+    result = training.train_and_evaluate(
+        config(tmp_path, "run", epochs=3, keep=3, steps_per_epoch=3), small_dataset,
+        log=lines.append)
+    epoch2 = [line for line in lines if line.startswith("Epoch 2/3")][0]
+    assert epoch2.endswith("(trained before the resume)"), epoch2
+    assert result["history"][1]["samples_per_sec"] is None
+    assert result["history"][2]["samples_per_sec"] > 0
+    names = [os.path.basename(p) for p in
+             checkpoints.CheckpointManager(str(tmp_path / "run")).paths()]
+    # 6 steps per epoch, then 3: epoch 1 ends at step 6, the interruption at 10,
+    # epochs 2 and 3 at 6 and 9.
+    assert names == ["ckpt-00000010.weights.h5", "ckpt-00000006.weights.h5",
+                     "ckpt-00000009.weights.h5"]
+    assert result["restored"]["checkpoint"].endswith("ckpt-00000009.weights.h5")

@@ -1,0 +1,110 @@
+"""One checkpoint file: a Keras `.weights.h5` file with kdist's state, checked on read.
+
+The file is what `model.save_weights` writes for a compiled model, with
+kdist's state as a JSON attribute `kdist` on the root. Format 2 adds
+`checksum` to that state: SHA-256 over every dataset (name, dtype, shape and
+bytes, in name order). A file is trusted only if its checksum matches and
+every floating-point value in it is finite. Format 1 files (no checksum) are
+still read; for them only the finiteness is checked.
+
+Keras writes the file into memory (`_Buffer`), and kdist copies the bytes to
+disk with plain file I/O: a full disk then raises `OSError` in Python instead
+of failing inside HDF5, whose half-written, still-open file crashed the
+process when it was finally closed. Reading works the same way round: the
+bytes are read once, verified, and loaded from memory, so what is loaded is
+what was verified.
+"""
+
+import hashlib
+import io
+import json
+
+import h5py
+import numpy as np
+
+FORMAT = "kdist-checkpoint-2"
+READABLE = ("kdist-checkpoint-1", FORMAT)
+
+
+class InvalidCheckpoint(ValueError):
+    """A file that is not a kdist checkpoint, or one that fails verification."""
+
+
+class NonFiniteWeights(ValueError):
+    """The model holds NaN or infinite values; `names` lists where."""
+
+    def __init__(self, names):
+        super().__init__(f"non-finite values in {', '.join(names[:3])}"
+                         + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
+        self.names = names
+
+
+class _Buffer(io.BytesIO):
+    """An in-memory file that Keras accepts where it wants a `.weights.h5` path."""
+
+    def __str__(self):
+        return "checkpoint.weights.h5"
+
+
+def encode(model, metadata):
+    """The bytes of a checkpoint of `model` with `metadata`; raises NonFiniteWeights."""
+    buffer = _Buffer()
+    model.save_weights(buffer)
+    with h5py.File(buffer, "a") as f:
+        digest, bad = _scan(f)
+        if bad:
+            raise NonFiniteWeights(bad)
+        f.attrs["kdist"] = json.dumps(dict(metadata, format=FORMAT, checksum=digest))
+    return buffer.getvalue()
+
+
+def read_metadata(source):
+    """kdist's state in `source` (a path or a file object), unverified.
+
+    Raises InvalidCheckpoint if it holds no kdist state of a known format, or
+    the error h5py raises for a file it cannot open.
+    """
+    with h5py.File(source, "r") as f:
+        if "kdist" not in f.attrs:
+            raise InvalidCheckpoint("it has no kdist metadata")
+        meta = json.loads(f.attrs["kdist"])
+    if not isinstance(meta, dict) or meta.get("format") not in READABLE:
+        raise InvalidCheckpoint(f"unknown checkpoint format "
+                                f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
+    return meta
+
+
+def verify(data):
+    """kdist's state in checkpoint bytes `data`, after checking its values.
+
+    Raises InvalidCheckpoint if the checksum does not match or a value is not
+    finite.
+    """
+    buffer = _Buffer(data)
+    meta = read_metadata(buffer)
+    with h5py.File(buffer, "r") as f:
+        digest, bad = _scan(f)
+    if "checksum" in meta and digest != meta["checksum"]:
+        raise InvalidCheckpoint("its weights do not match its checksum (damaged file)")
+    if bad:
+        raise InvalidCheckpoint(str(NonFiniteWeights(bad)))
+    return meta
+
+
+def load(model, data):
+    """Loads verified checkpoint bytes `data` into `model`."""
+    model.load_weights(_Buffer(data))
+
+
+def _scan(f):
+    """(SHA-256 of every dataset, names of datasets with non-finite values)."""
+    names = []
+    f.visititems(lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None)
+    digest, bad = hashlib.sha256(), []
+    for name in sorted(names):
+        value = np.ascontiguousarray(f[name][()])
+        digest.update(f"{name}|{value.dtype.str}|{value.shape}\n".encode())
+        digest.update(value.tobytes())
+        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+            bad.append(name)
+    return "sha256:" + digest.hexdigest(), bad

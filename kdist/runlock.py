@@ -1,0 +1,103 @@
+"""One run per checkpoint folder: a lock file holding the owner's pid and host.
+
+The lock is created atomically (O_CREAT | O_EXCL), so of two runs starting
+at once exactly one gets it. A lock whose process is gone (same host, pid no
+longer running) is stale and is taken over. A lock of a live process, or of
+another host (whose processes cannot be checked from here), is broken only
+when the user forces it.
+"""
+
+import errno
+import json
+import os
+import socket
+import time
+
+LOCK_NAME = "kdist.lock"
+
+
+class LockHeld(RuntimeError):
+    """Another run holds the folder's lock; the message names it."""
+
+
+def _owner():
+    return dict(pid=os.getpid(), host=socket.gethostname(), started=time.time())
+
+
+def describe(owner):
+    if not owner:
+        return "an unknown run (its lock file is empty or unreadable)"
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(owner.get("started", 0)))
+    return f"pid {owner.get('pid')} on host {owner.get('host')}, started {started}"
+
+
+def read_owner(path):
+    """The owner recorded in lock file `path`; None if it is unreadable."""
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return owner if isinstance(owner, dict) else None
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # Exists, owned by another user.
+        return True
+    return True
+
+
+def is_stale(owner):
+    """True if `owner` is a process of this host that no longer runs."""
+    return (bool(owner) and owner.get("host") == socket.gethostname()
+            and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]))
+
+
+class RunLock:
+    """The lock of one folder; `acquire` then `release` (both idempotent)."""
+
+    def __init__(self, directory):
+        self.path = os.path.join(directory, LOCK_NAME)
+        self.owner = None  # What this process wrote, while it holds the lock.
+
+    def acquire(self, force=False):
+        """Takes the lock; returns the owner it replaced (a stale or forced one) or None.
+
+        Raises LockHeld if another run holds it and `force` is false, OSError
+        if the folder cannot be written.
+        """
+        replaced = None
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                other = read_owner(self.path)
+                if not (force or is_stale(other)):
+                    raise LockHeld(describe(other)) from None
+                replaced = other or {}
+                _remove(self.path)
+                continue
+            owner = _owner()
+            with os.fdopen(fd, "w") as f:
+                json.dump(owner, f)
+            self.owner = owner
+            return replaced
+        raise LockHeld(describe(read_owner(self.path)))
+
+    def release(self):
+        """Removes the lock file if it is still this process's."""
+        if self.owner is not None and read_owner(self.path) == self.owner:
+            _remove(self.path)
+        self.owner = None
+
+
+def _remove(path):
+    try:
+        os.remove(path)
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            raise

@@ -1,0 +1,71 @@
+"""One run per checkpoint folder: the lock file, its stale and forced take-overs."""
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from kdist import checkpoints, runlock
+
+
+def locked(folder, break_lock=False):
+    manager = checkpoints.CheckpointManager(str(folder))
+    manager.prepare(lock=True, break_lock=break_lock)
+    return manager
+
+
+def write_lock(folder, pid, host):
+    (folder / runlock.LOCK_NAME).write_text(json.dumps(dict(pid=pid, host=host, started=0)))
+
+
+def dead_pid():
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    return int(proc.stdout)
+
+
+def test_a_second_run_on_the_folder_is_refused_with_the_owner_named(tmp_path):
+    first = locked(tmp_path)
+    owner = json.loads((tmp_path / runlock.LOCK_NAME).read_text())
+    assert owner["host"] == socket.gethostname()
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=f"in use by another run \\(pid {owner['pid']} on host "
+                             f"{owner['host']}, started .*--break-lock"):
+        locked(tmp_path)
+    first.release()
+    assert not (tmp_path / runlock.LOCK_NAME).exists()
+    locked(tmp_path).release()
+
+
+def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path):
+    pid = dead_pid()
+    write_lock(tmp_path, pid, socket.gethostname())
+    with pytest.warns(checkpoints.CheckpointWarning,
+                      match=f"took over the lock .* from pid {pid} .*its process is gone"):
+        manager = locked(tmp_path)
+    assert manager.lock.owner == json.loads((tmp_path / runlock.LOCK_NAME).read_text())
+
+
+def test_another_hosts_lock_holds_unless_broken(tmp_path):
+    write_lock(tmp_path, dead_pid(), "elsewhere")
+    with pytest.raises(checkpoints.CheckpointError, match="on host elsewhere"):
+        locked(tmp_path)
+    with pytest.warns(checkpoints.CheckpointWarning, match="forced by --break-lock"):
+        manager = locked(tmp_path, break_lock=True)
+    manager.release()
+    assert not (tmp_path / runlock.LOCK_NAME).exists()
+
+
+def test_release_leaves_a_lock_that_another_run_took(tmp_path):
+    manager = locked(tmp_path)
+    write_lock(tmp_path, 1, "elsewhere")  # Taken with --break-lock by a run elsewhere.
+    manager.release()
+    assert json.loads((tmp_path / runlock.LOCK_NAME).read_text())["host"] == "elsewhere"
+
+
+def test_an_unreadable_lock_is_named_as_such(tmp_path):
+    (tmp_path / runlock.LOCK_NAME).write_text("")
+    with pytest.raises(checkpoints.CheckpointError, match="an unknown run"):
+        locked(tmp_path)
