@@ -159,6 +159,7 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     Returns a dict with `history` (one record per epoch) and `restored` (the
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
+    data.check_dataset(dataset)
     run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn)
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
     if not chief:
@@ -206,6 +207,7 @@ class _Run:
             self.manager.prepare()
         keras.utils.set_random_seed(config.seed)
         self.model, optimizer = build(self.engine, model_fn, optimizer_fn, config.learning_rate)
+        data.check_labels(dataset, self.model.output_shape[-1])
         self.position, self.note = _resume_position(config, self.manager, self.model)
         self.engine.prepare(self.model, optimizer, self.global_batch, loss_fn)
 
@@ -302,6 +304,7 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model,
     engine = engines.create_engine(distributed=False)
     model, _ = build(engine, model_fn, None, None)
     checkpoints.restore(model, path)
+    data.check_labels(dataset, model.output_shape[-1], splits=("test",))
     engine.prepare(model, None, batch_size, loss_fn)
     test_loss, test_accuracy = evaluate(
         engine, dataset.test_images, dataset.test_labels, batch_size, steps_per_execution)
