@@ -215,6 +215,11 @@ def _split(dataset, split):
     return getattr(dataset, f"{split}_images"), getattr(dataset, f"{split}_labels")
 
 
+def eval_steps(num_examples, global_batch_size):
+    """Eval batches that cover `num_examples` (the last one padded)."""
+    return -(-num_examples // global_batch_size)
+
+
 def steps_per_epoch(num_examples, global_batch_size, limit=None):
     """Full global batches per epoch, capped by `limit` (like `fit`'s steps_per_epoch)."""
     steps = num_examples // global_batch_size

@@ -15,7 +15,7 @@ import time
 import keras
 import numpy as np
 
-from kdist import checkpoints, data, engines, losses, reporting
+from kdist import checkpoints, checks, data, engines, losses, reporting
 from kdist.model import create_model
 from kdist.startup import UsageError
 
@@ -37,6 +37,9 @@ class TrainConfig:
     steps_per_execution: int = 8  # Train steps per compiled call (see README).
     metrics_file: str | None = None
     progress: bool = False
+
+    def __post_init__(self):
+        checks.check_config(self)
 
 
 class TrainingError(RuntimeError):
@@ -129,11 +132,15 @@ def _chunks(iterable, size):
 
 
 def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
-    """(loss, accuracy %) over every example of (images, labels)."""
+    """(loss, accuracy %) over every example of (images, labels).
+
+    A compiled call runs at most as many steps as there are batches.
+    """
+    chunk = min(steps_per_execution, data.eval_steps(len(images), global_batch_size))
     totals, _ = run_steps(engine, engine.eval_step,
                           data.eval_batches(images, labels, global_batch_size,
                                             shard=engine.shard),
-                          steps_per_execution=steps_per_execution)
+                          steps_per_execution=chunk)
     return summarize(totals)
 
 
@@ -159,21 +166,26 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     Returns a dict with `history` (one record per epoch) and `restored` (the
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
+    checks.check_config(config)
     data.check_dataset(dataset)
     run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn)
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
-    if not chief:
+    if chief:
+        checks.check_metrics_file(config.metrics_file, "metrics_file")
+    else:
         log = _quiet
-    log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note))
+    log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
+                         run.train_chunk))
     metrics = reporting.MetricsWriter(config.metrics_file if chief else None)
     history = run.position["history"]
+    metrics.start(history)  # Each epoch once, even after a crash and a resume.
     for epoch in range(run.position["epoch"], config.epochs):
         record = run.train_epoch(epoch, stop)
         history.append(record)
         log(reporting.format_epoch(record, config.epochs))
-        metrics.epoch(record)
         if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stop:
             log(f"Saved checkpoint {run.save(epoch + 1, 0, None, history)}")
+        metrics.epoch(record)
         if stop:
             raise Interrupted(f"{stop.signal_name}: stopped after epoch {epoch + 1}; run the "
                               "same command to resume")
@@ -202,6 +214,7 @@ class _Run:
             raise UsageError(f"{len(dataset.train_images)} training examples make no full "
                              f"global batch of {self.global_batch}; lower "
                              "--batch-size-per-replica")
+        self.train_chunk = min(config.steps_per_execution, self.steps)  # Compiled steps.
         self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
         if self.engine.is_chief:
             self.manager.prepare()
@@ -223,7 +236,7 @@ class _Run:
             shard=self.engine.shard)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
         totals, done = run_steps(self.engine, self.engine.train_step, batches, totals,
-                                 on_step, stop, self.config.steps_per_execution)
+                                 on_step, stop, self.train_chunk)
         if stop and first_step + done < self.steps:
             path = self.save(epoch, first_step + done, totals, self.position["history"])
             raise Interrupted(f"{stop.signal_name}: stopped at epoch {epoch + 1}, step "
