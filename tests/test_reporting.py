@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kdist import checkpoints, reporting, training
+from kdist import checkpoints, reporting
 from kdist.startup import UsageError
 from test_training import config, run
 
