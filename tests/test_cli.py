@@ -235,6 +235,7 @@ def test_keras_json_chooses_the_backend_when_keras_backend_is_unset(tmp_path):
     (tmp_path / "keras.json").write_text(json.dumps({"backend": backend}))
     env = dict(os.environ, KERAS_HOME=str(tmp_path))
     del env["KERAS_BACKEND"]
+    env.pop("XLA_FLAGS", None)  # The tests' 4 devices: --replicas 2 must ask for its own.
     result = script(TRAIN, *SMALL, "--epochs", "1", "--steps-per-epoch", "2",
                     "--checkpoint-dir", str(tmp_path / "ck"), env=env)
     assert result.returncode == 0, result.stderr
