@@ -21,6 +21,7 @@ _LAZY = {
     "DataError": "kdist.data",
     "load_fashion_mnist": "kdist.data",
     "synthetic_fashion_mnist": "kdist.data",
+    "MetricsError": "kdist.reporting",
     "CheckpointError": "kdist.checkpoints",
     "latest_checkpoint": "kdist.checkpoints",
     "StopRequest": "kdist.interrupt",

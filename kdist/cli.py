@@ -1,15 +1,17 @@
 """Command line of scripts/train.py and scripts/evaluate.py."""
 
 import argparse
+import functools
 import importlib
 import importlib.util
+import math
 import os
 import signal
 import sys
 import warnings
 
 import kdist
-from kdist import cluster, launch, startup
+from kdist import checks, cluster, interrupt, launch, startup
 
 
 def _positive(kind):
@@ -20,10 +22,35 @@ def _positive(kind):
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         return value
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def _seed(text):
+    try:
+        checks.check_seed(int(text), name="the seed")
+    except (ValueError, startup.UsageError) as e:
+        low, high = checks.SEED_RANGE
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number in {low}..{high}, got {text!r}") from e
+    return int(text)
+
+
+def _quiet_signals(message):
+    """Makes SIGINT/SIGTERM outside training exit 128 + signal with one line on stderr."""
+    def decorate(main_fn):
+        @functools.wraps(main_fn)
+        def wrapper(argv=None):
+            with interrupt.exit_on_signals(message):
+                return main_fn(argv)
+
+        return wrapper
+
+    return decorate
 
 
 def _add_batching(parser):
@@ -73,14 +100,16 @@ def train_parser():
     parser.add_argument("--no-resume", dest="resume", action="store_false",
                         help="start over even if --checkpoint-dir holds a checkpoint "
                              "(default: resume from the newest one)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=_seed, default=0,
                         help="seed for weights and data order (default: %(default)s)")
     parser.add_argument("--steps-per-epoch", type=_positive(int), default=None,
                         help="train on only the first N global batches of each epoch "
                              "(default: the whole epoch)")
     parser.add_argument("--metrics-file", default=None,
-                        help="append one JSON object per epoch (and one for the restored "
-                             "model) to this file")
+                        help="write one JSON object per epoch (and one for the restored "
+                             "model) to this file, and the epochs as CSV to PATH with .csv in "
+                             "place of its suffix; a fresh run empties both, a resumed one "
+                             "rewrites them from its checkpoint")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (it is also off when stdout is not a terminal)")
     parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
@@ -181,11 +210,25 @@ def _start(parser, args, replicas=None):
             importlib.import_module("tensorflow")
 
 
+def _check_paths(parser, args):
+    """Checks the output files and the data folder before the frameworks load."""
+    try:
+        checks.check_metrics_file(args.metrics_file)
+        if args.data_dir is not None and not args.synthetic:
+            from kdist import data
+
+            data.check_data_dir(args.data_dir)
+    except startup.UsageError as e:
+        parser.error(str(e))
+
+
+@_quiet_signals("stopped while starting; nothing was trained")
 def main(argv=None):
     launch.follow_launcher()
     parser = train_parser()
     args = parser.parse_args(argv)
     spec = _cluster_spec(parser, args)
+    _check_paths(parser, args)
     _start(parser, args, args.replicas)
     _connect(parser, spec, args.replicas)
     config = kdist.TrainConfig(
@@ -199,8 +242,10 @@ def main(argv=None):
         break_lock=args.break_lock)
     stop = kdist.StopRequest()
     try:
-        dataset = load_data(args)
+        # From here a signal is a stop request that every worker agrees on: a
+        # worker that exited alone would leave the others waiting in a step.
         with kdist.stop_on_signals(stop):
+            dataset = load_data(args)
             kdist.train_and_evaluate(config, dataset, log=_log, stop=stop,
                                      optimizer_fn=kdist.OPTIMIZERS[args.optimizer])
     except kdist.Interrupted as e:
@@ -209,11 +254,13 @@ def main(argv=None):
         return 128 + getattr(signal, e.signal_name or "SIGTERM")
     except kdist.UsageError as e:
         parser.error(str(e))
-    except (kdist.DataError, kdist.CheckpointError, kdist.TrainingError) as e:
+    except (kdist.DataError, kdist.CheckpointError, kdist.TrainingError,
+            kdist.MetricsError) as e:
         return _fail(e)
     return 0
 
 
+@_quiet_signals("stopped")
 def evaluate_main(argv=None):
     parser = argparse.ArgumentParser(
         prog="evaluate.py",
@@ -236,6 +283,7 @@ def evaluate_main(argv=None):
     return 0
 
 
+@_quiet_signals("stopped")
 def bench_main(argv=None):
     parser = argparse.ArgumentParser(
         prog="bench.py",

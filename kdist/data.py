@@ -13,7 +13,7 @@ import struct
 
 import numpy as np
 
-from kdist.startup import UsageError
+from kdist.startup import UsageError, keras_home
 
 FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
@@ -44,10 +44,7 @@ class Dataset:
 
 def keras_cache_dir():
     """The folder where `keras.datasets.fashion_mnist` caches its files."""
-    keras_home = os.environ.get("KERAS_HOME") or os.path.join(
-        os.path.expanduser("~"), ".keras"
-    )
-    return os.path.join(keras_home, "datasets", "fashion-mnist")
+    return os.path.join(keras_home(), "datasets", "fashion-mnist")
 
 
 def missing_files(directory):
@@ -57,6 +54,17 @@ def missing_files(directory):
         for name in FILES.values()
         if not os.path.isfile(os.path.join(directory, name))
     ]
+
+
+def check_data_dir(directory):
+    """Raises UsageError unless `directory` is a folder holding all four files."""
+    if not os.path.isdir(directory):
+        raise UsageError(f"--data-dir {directory} is not a folder; point it at a folder with "
+                         "the four Fashion-MNIST .gz files")
+    missing = missing_files(directory)
+    if missing:
+        raise UsageError(f"--data-dir {directory} lacks {', '.join(missing)}; "
+                         "point it at a folder with all four Fashion-MNIST .gz files")
 
 
 def read_idx(path, kind):
@@ -119,16 +127,14 @@ def _normalise(arrays, source):
 def load_fashion_mnist(data_dir=None):
     """Finds Fashion-MNIST offline first, and downloads it only as a last resort.
 
-    Order: `data_dir` (if given, it must hold all four files, else UsageError), the Keras cache
+    Order: `data_dir` (if given, it must be a folder holding all four files, else
+    UsageError), the Keras cache
     (`$KERAS_HOME/datasets/fashion-mnist`, default `~/.keras`), the Debian
     package folder `/usr/share/datasets/fashion-mnist`, then
     `keras.datasets.fashion_mnist.load_data()`.
     """
     if data_dir is not None:
-        missing = missing_files(data_dir)
-        if missing:
-            raise UsageError(f"--data-dir {data_dir} lacks {', '.join(missing)}; "
-                            "point it at a folder with all four Fashion-MNIST .gz files")
+        check_data_dir(data_dir)
         return load_from_directory(data_dir)
     for directory in (keras_cache_dir(), DEBIAN_DIR):
         if os.path.isdir(directory) and not missing_files(directory):
@@ -166,6 +172,52 @@ def synthetic_fashion_mnist(num_train=60000, num_test=10000, seed=0):
     test_images, test_labels = make(num_test)
     return Dataset(train_images, train_labels, test_images, test_labels,
                    source=f"synthetic, seed {seed}")
+
+
+def check_dataset(dataset):
+    """Raises DataError, naming `dataset.source`, for data no run can train on.
+
+    Each split needs as many labels as images, at least one example, and
+    finite images (no NaN or infinity).
+    """
+    for split in ("train", "test"):
+        images, labels = _split(dataset, split)
+        if len(images) != len(labels):
+            raise DataError(f"{dataset.source}: {split} has {len(images)} images but "
+                            f"{len(labels)} labels; they must be as many")
+        if not len(images):
+            raise DataError(f"{dataset.source}: the {split} set is empty")
+        if np.issubdtype(images.dtype, np.inexact):
+            bad = np.flatnonzero(~np.isfinite(images.reshape(len(images), -1)).all(axis=1))
+            if len(bad):
+                raise DataError(f"{dataset.source}: {split} image {bad[0]} holds NaN or "
+                                f"infinity ({len(bad)} such images)")
+
+
+def check_labels(dataset, num_classes, splits=("train", "test")):
+    """Raises DataError unless every label of `splits` is a class index below `num_classes`.
+
+    `num_classes` is the size of the model's output (its last axis).
+    """
+    for split in splits:
+        labels = _split(dataset, split)[1]
+        if not np.issubdtype(labels.dtype, np.integer):
+            raise DataError(f"{dataset.source}: {split} labels are {labels.dtype}; "
+                            "class labels must be integers")
+        bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
+        if len(bad):
+            raise DataError(f"{dataset.source}: {split} label {labels.flat[bad[0]]} (example "
+                            f"{bad[0]}) is not a class of the model, which has {num_classes} "
+                            f"(0..{num_classes - 1}); {len(bad)} labels are out of range")
+
+
+def _split(dataset, split):
+    return getattr(dataset, f"{split}_images"), getattr(dataset, f"{split}_labels")
+
+
+def eval_steps(num_examples, global_batch_size):
+    """Eval batches that cover `num_examples` (the last one padded)."""
+    return -(-num_examples // global_batch_size)
 
 
 def steps_per_epoch(num_examples, global_batch_size, limit=None):

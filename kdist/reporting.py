@@ -1,19 +1,25 @@
 """What a run tells its user: the start-up banner, epoch lines, metrics files."""
 
 import csv
+import io
 import json
 import os
 
 import keras
 
 import kdist
+from kdist import checks
 
 EPOCH_KEYS = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
               "seconds", "samples_per_sec")
 
 
-def banner(engine, config, global_batch, steps, dataset, checkpoint_note):
-    """The lines printed before training: versions, devices, batch, data, checkpoints."""
+def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=None):
+    """The lines printed before training: versions, devices, batch, data, checkpoints.
+
+    `chunk` is the number of train steps per compiled call; when it is below
+    `config.steps_per_execution` the Batch line says so.
+    """
     devices = ", ".join(str(d).split("device:")[-1] for d in engine.devices)
     workers, local = engine.shard[1], global_batch // engine.shard[1]
     cluster = ([f"Workers: {workers}; this chief and each worker read {local} examples of "
@@ -24,7 +30,10 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note):
         f"{engine.version}",
         f"Replicas: {engine.num_replicas} ({devices})",
         f"Batch: {config.batch_size_per_replica} per replica, {global_batch} global; "
-        f"{steps} steps per epoch, {config.epochs} epochs",
+        f"{steps} steps per epoch, {config.epochs} epochs" + (
+            f"; --steps-per-execution {config.steps_per_execution} capped at {chunk}, the "
+            "steps of an epoch" if chunk is not None and chunk < config.steps_per_execution
+            else ""),
         f"Data: {dataset.source} ({len(dataset.train_images):,} train, "
         f"{len(dataset.test_images):,} test examples)",
         f"Checkpoints: {os.path.abspath(config.checkpoint_dir)}, {checkpoint_note}",
@@ -44,31 +53,79 @@ def format_epoch(record, epochs):
             f"Test Accuracy: {record['test_accuracy']:.2f}% ({speed})")
 
 
-class MetricsWriter:
-    """Appends records to PATH (JSON lines) and epochs to PATH's .csv sibling.
+class MetricsError(RuntimeError):
+    """A metrics file cannot be written (a full disk, a folder gone)."""
 
-    The CSV has the layout of `keras.callbacks.CSVLogger`: `epoch` counted
-    from 0, then the metrics sorted by name.
+
+class MetricsWriter:
+    """Writes a run's records to PATH (JSON lines) and its epochs to PATH's .csv sibling.
+
+    `start(history)` rewrites both files from the epochs done so far (none on
+    a fresh run; a resumed checkpoint's history otherwise), each atomically
+    (a temporary file, then `os.replace`), so every epoch appears once even
+    after a crash; `epoch` and `restored` then append. The CSV has the layout
+    of `keras.callbacks.CSVLogger`: `epoch` counted from 0, then the metrics
+    sorted by name. With no PATH (or on a worker other than the chief) it
+    writes nothing. A failed write raises `MetricsError`.
     """
 
     CSV_COLUMNS = ("epoch",) + tuple(sorted(k for k in EPOCH_KEYS if k != "epoch"))
 
     def __init__(self, path):
         self.path = path
-        self.csv_path = os.path.splitext(path)[0] + ".csv" if path else None
+        self.csv_path = checks.metrics_csv_path(path) if path else None
+
+    def start(self, history):
+        """Replaces both files with `history`, the records of the epochs done so far."""
+        if self.path:
+            self._replace(self.path, "".join(_json_line(r) for r in history))
+            self._replace(self.csv_path, "".join(self._csv_line(r) for r in
+                                                 [None] + list(history)))
 
     def epoch(self, record):
-        self.restored(record)
-        if self.csv_path:
-            new = not os.path.exists(self.csv_path) or not os.path.getsize(self.csv_path)
-            with open(self.csv_path, "a", newline="") as f:
-                writer = csv.writer(f)
-                if new:
-                    writer.writerow(self.CSV_COLUMNS)
-                writer.writerow([record["epoch"] - 1] + [record[k] for k in self.CSV_COLUMNS[1:]])
+        """Appends an epoch's record to both files."""
+        if self.path:
+            self._append(self.path, _json_line(record))
+            self._append(self.csv_path, self._csv_line(record))
 
     def restored(self, record):
         """Appends `record` to the JSON lines file only."""
         if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            self._append(self.path, _json_line(record))
+
+    def _csv_line(self, record):
+        """The CSV row of `record`; the header row for None."""
+        buffer = io.StringIO()
+        csv.writer(buffer).writerow(self.CSV_COLUMNS if record is None else
+                                    [record["epoch"] - 1] +
+                                    [record[k] for k in self.CSV_COLUMNS[1:]])
+        return buffer.getvalue()
+
+    def _append(self, path, text):
+        try:
+            with open(path, "a", newline="") as f:
+                f.write(text)
+        except OSError as e:
+            raise _error(path, e) from e
+
+    def _replace(self, path, text):
+        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                           f".tmp-{os.getpid()}-{os.path.basename(path)}")
+        try:
+            with open(tmp, "w", newline="") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise _error(path, e) from e
+
+
+def _json_line(record):
+    return json.dumps(record) + "\n"
+
+
+def _error(path, e):
+    return MetricsError(f"cannot write the metrics file {path} ({e.strerror or e}); "
+                        "free space or pass another --metrics-file, then run the same "
+                        "command to resume from the last checkpoint")

@@ -8,6 +8,7 @@ precede its first op. So `prepare_environment` runs first thing.
 
 import contextlib
 import ctypes
+import json
 import os
 import re
 import sys
@@ -20,22 +21,53 @@ class UsageError(ValueError):
 
     The command line reports it like argparse does: one line, exit status 2.
     """
+
+
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
+KERAS_DEFAULT_BACKEND = "tensorflow"
+
+
+def keras_home():
+    """Keras' own folder, found as `keras.src.backend.config` finds it.
+
+    `$KERAS_HOME` if set, else `~/.keras`, or `/tmp/.keras` when the home
+    folder is not writable.
+    """
+    if "KERAS_HOME" in os.environ:
+        return os.environ["KERAS_HOME"]
+    base = os.path.expanduser("~")
+    return os.path.join(base if os.access(base, os.W_OK) else "/tmp", ".keras")
+
+
 def selected_backend():
-    """The backend Keras will load: `KERAS_BACKEND`, else Keras' default."""
-    return os.environ.get("KERAS_BACKEND", "tensorflow")
+    """The backend Keras will load, read as Keras reads it, without importing it.
+
+    A non-empty `KERAS_BACKEND` wins; else the "backend" key of
+    `keras.json` in `keras_home()`; else Keras' default, tensorflow. A
+    keras.json that is not valid JSON counts as absent, as in Keras.
+    """
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    path = os.path.expanduser(os.path.join(keras_home(), "keras.json"))
+    try:
+        with open(path) as f:
+            return json.load(f).get("backend", KERAS_DEFAULT_BACKEND)
+    except (OSError, ValueError, AttributeError):
+        return KERAS_DEFAULT_BACKEND
 
 
 def prepare_environment(replicas=None, verbose=False):
     """Sets the environment for `replicas` CPU devices and quiet start-up logs.
 
-    Raises UsageError for an unsupported `KERAS_BACKEND`.
+    Raises UsageError for an unsupported backend (see `selected_backend`).
     """
     backend = selected_backend()
     if backend not in SUPPORTED_BACKENDS:
-        raise UsageError(f"KERAS_BACKEND={backend} is not supported; "
+        where = ("KERAS_BACKEND" if os.environ.get("KERAS_BACKEND")
+                 else f'"backend" in {os.path.join(keras_home(), "keras.json")}')
+        raise UsageError(f"{where}={backend} is not supported; "
                          f"set it to one of: {', '.join(SUPPORTED_BACKENDS)}")
     if not verbose:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # oneDNN/CUDA notices.

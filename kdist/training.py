@@ -15,7 +15,7 @@ import time
 import keras
 import numpy as np
 
-from kdist import checkpoints, data, engines, interrupt, losses, reporting
+from kdist import checkpoints, checks, data, engines, interrupt, losses, reporting
 from kdist.model import create_model
 from kdist.startup import UsageError
 
@@ -38,6 +38,9 @@ class TrainConfig:
     metrics_file: str | None = None
     progress: bool = False
     break_lock: bool = False  # Take the folder's lock even from a live run (see kdist.runlock).
+
+    def __post_init__(self):
+        checks.check_config(self)
 
 
 class TrainingError(RuntimeError):
@@ -131,11 +134,15 @@ def _chunks(iterable, size):
 
 
 def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
-    """(loss, accuracy %) over every example of (images, labels)."""
+    """(loss, accuracy %) over every example of (images, labels).
+
+    A compiled call runs at most as many steps as there are batches.
+    """
+    chunk = min(steps_per_execution, data.eval_steps(len(images), global_batch_size))
     totals, _ = run_steps(engine, engine.eval_step,
                           data.eval_batches(images, labels, global_batch_size,
                                             shard=engine.shard),
-                          steps_per_execution=steps_per_execution)
+                          steps_per_execution=chunk)
     return summarize(totals)
 
 
@@ -171,6 +178,8 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam
     Returns a dict with `history` (one record per epoch) and `restored` (the
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
+    checks.check_config(config)
+    data.check_dataset(dataset)
     run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn)
     try:
         return _train(run, log, interrupt.AgreedStop(stop, run.engine))
@@ -183,21 +192,25 @@ def _train(run, log, stop):
     `stop` is an `AgreedStop`."""
     config, dataset = run.config, run.dataset
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
-    if not chief:
+    if chief:
+        checks.check_metrics_file(config.metrics_file, "metrics_file")
+    else:
         log = _quiet
-    log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note))
+    log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
+                         run.train_chunk))
     if stop.poll():  # Asked to stop while starting: nothing new to save.
         raise Interrupted(f"{stop.reason()}: stopped before training started", stop.signal_name)
     metrics = reporting.MetricsWriter(config.metrics_file if chief else None)
     history = run.position["history"]
+    metrics.start(history)  # Each epoch once, even after a crash and a resume.
     for epoch in range(run.position["epoch"], config.epochs):
         record = run.train_epoch(epoch, stop)
         history.append(record)
         log(reporting.format_epoch(record, config.epochs))
-        metrics.epoch(record)
         stopping = stop.poll()  # A signal may have come during the evaluation.
         if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stopping:
             log(f"Saved checkpoint {run.save(epoch + 1, 0, None, history)}")
+        metrics.epoch(record)
         if stopping:
             raise Interrupted(f"{stop.reason()}: stopped after epoch {epoch + 1}; run the "
                               "same command to resume", stop.signal_name)
@@ -227,6 +240,7 @@ class _Run:
             raise UsageError(f"{len(dataset.train_images)} training examples make no full "
                              f"global batch of {self.global_batch}; lower "
                              "--batch-size-per-replica")
+        self.train_chunk = min(config.steps_per_execution, self.steps)  # Compiled steps.
         self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
         if self.engine.is_chief:  # Only the chief writes there, so only it locks.
             self.manager.prepare(lock=True, break_lock=config.break_lock)
@@ -234,6 +248,7 @@ class _Run:
             keras.utils.set_random_seed(config.seed)
             self.model, optimizer = build(self.engine, model_fn, optimizer_fn,
                                           config.learning_rate)
+            data.check_labels(dataset, self.model.output_shape[-1])
             self.position, self.note = _resume_position(config, self.manager, self.model)
             self.engine.prepare(self.model, optimizer, self.global_batch, loss_fn)
         except BaseException:
@@ -252,7 +267,7 @@ class _Run:
             shard=self.engine.shard)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
         totals, done = run_steps(self.engine, self.engine.train_step, batches, totals,
-                                 on_step, stop.poll, self.config.steps_per_execution)
+                                 on_step, stop.poll, self.train_chunk)
         if stop and first_step + done < self.steps:
             path = self.save(epoch, first_step + done, totals, self.position["history"])
             raise Interrupted(f"{stop.reason()}: stopped at epoch {epoch + 1}, step "
@@ -335,6 +350,7 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model,
     engine = engines.create_engine(distributed=False)
     model, _ = build(engine, model_fn, None, None)
     checkpoints.restore(model, path)
+    data.check_labels(dataset, model.output_shape[-1], splits=("test",))
     engine.prepare(model, None, batch_size, loss_fn)
     test_loss, test_accuracy = evaluate(
         engine, dataset.test_images, dataset.test_labels, batch_size, steps_per_execution)

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import REPO
@@ -18,8 +19,8 @@ EVALUATE = os.path.join(REPO, "scripts", "evaluate.py")
 SMALL = ["--synthetic", "--batch-size-per-replica", "16", "--replicas", "2", "--seed", "3"]
 
 
-def script(path, *args, **kwargs):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def script(path, *args, env=None, **kwargs):
+    env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1")
     return subprocess.run([sys.executable, path, *args], capture_output=True, text=True,
                           timeout=300, env=env, **kwargs)
 
@@ -220,3 +221,105 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
     assert resumed.stdout.splitlines()[4].endswith(
         "resumed from ckpt-00000003.weights.h5 (end of epoch 1; written by "
         f"{os.environ['KERAS_BACKEND']} with 2 replica(s))")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--seed", "-1"], "--seed: expected a whole number in 0..4294967295, got '-1'"),
+    (["--seed", "4294967296"], "--seed: expected a whole number in 0..4294967295"),
+    (["--learning-rate", "inf"], "--learning-rate: must be a finite number, got inf"),
+    (["--connect-timeout", "nan"], "--connect-timeout: must be greater than 0, got nan"),
+    (["--worker-index", "-1", "--peers", "127.0.0.1:1,127.0.0.1:2"],
+     "worker index -1 is not in 0..1"),
+])
+def test_out_of_range_flags_exit_2_with_one_line(tmp_path, args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args + ["--synthetic", "--epochs", "1", "--steps-per-epoch", "1",
+                         "--checkpoint-dir", str(tmp_path / "ck")])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # argparse: usage, then the reason.
+    assert last.startswith("train.py: error: ") and message in last
+    assert not (tmp_path / "ck").exists()
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("missing/m.jsonl", "which is not an existing folder"),
+    ("folder", "is a folder"),
+    ("out.csv", "must not end in .csv"),
+])
+def test_a_bad_metrics_file_exits_2_before_any_work(tmp_path, name, problem, capsys):
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(SMALL + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
+                          str(tmp_path / name), "--checkpoint-dir", str(tmp_path / "ck")])
+    assert exit_.value.code == 2
+    assert f"--metrics-file {tmp_path / name}: " in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()  # Stopped before the checkpoint folder was made.
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line_after_the_checkpoint(
+        tmp_path, monkeypatch, capsys):
+    from kdist import reporting
+
+    # The run's rewrite at start would replace the link; the appends then hit the full disk.
+    monkeypatch.setattr(reporting.MetricsWriter, "start", lambda self, history: None)
+    os.symlink("/dev/full", tmp_path / "m.jsonl")
+    code = cli.main(SMALL + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
+                             str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith(f"error: cannot write the metrics file {tmp_path / 'm.jsonl'} "
+                          "(No space left on device)") and err.count("\n") == 1
+    assert os.listdir(tmp_path / "ck") == ["ckpt-00000002.weights.h5"]
+
+
+def test_bad_labels_in_a_data_dir_are_one_line(tmp_path):
+    from test_data import make_dataset_dir, write_idx
+
+    folder = make_dataset_dir(tmp_path / "fm", n_train=64, n_test=8)
+    write_idx(folder / "t10k-labels-idx1-ubyte.gz", np.array([1, 2, 12, 3, 4, 5, 6, 7]), 0x0801)
+    result = script(TRAIN, "--data-dir", str(folder), "--batch-size-per-replica", "16",
+                    "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert result.returncode == 1
+    assert result.stderr == (f"error: {folder}: test label 12 (example 2) is not a class of "
+                             "the model, which has 10 (0..9); 1 labels are out of range\n")
+
+
+def test_keras_json_chooses_the_backend_when_keras_backend_is_unset(tmp_path):
+    backend = os.environ["KERAS_BACKEND"]
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": backend}))
+    env = dict(os.environ, KERAS_HOME=str(tmp_path))
+    del env["KERAS_BACKEND"]
+    env.pop("XLA_FLAGS", None)  # The tests' 4 devices: --replicas 2 must ask for its own.
+    result = script(TRAIN, *SMALL, "--epochs", "1", "--steps-per-epoch", "2",
+                    "--checkpoint-dir", str(tmp_path / "ck"), env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f" on {backend} " in lines[0] and lines[1].startswith("Replicas: 2 ")
+
+
+def _loaded(pid, names):
+    """Whether process `pid` has mapped a shared library whose path holds one of `names`."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(name in line for line in f for name in names)
+    except FileNotFoundError:  # It has exited.
+        return True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/PID/maps")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_starting_exits_with_one_line(tmp_path, sig):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, TRAIN, *SMALL, "--epochs", "1",
+                             "--checkpoint-dir", str(tmp_path / "ck")],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    # Wait until it loads NumPy's or a framework's native code: Python's own
+    # start-up is over, and the frameworks are loading (seconds), or later.
+    deadline = time.monotonic() + 60
+    while not _loaded(proc.pid, ("_multiarray_umath", "tensorflow", "jaxlib")):
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err
+    assert err.startswith(f"interrupted: {sig.name}: stopped ") and err.count("\n") == 1, err

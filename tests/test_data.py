@@ -126,3 +126,45 @@ def test_eval_batches_pad_the_last_batch_with_zero_weight():
     weights = np.concatenate([b[2] for b in batches])
     assert weights.tolist() == [1.0] * 10 + [0.0] * 2
     assert np.concatenate([b[1] for b in batches])[:10].tolist() == list(range(10))
+
+
+def test_data_dir_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(data.UsageError, match="file is not a folder"):
+        data.load_fashion_mnist(str(tmp_path / "file"))
+
+
+def _corrupt(dataset, how):
+    ds = data.Dataset(dataset.train_images.copy(), dataset.train_labels.copy(),
+                      dataset.test_images.copy(), dataset.test_labels.copy(), source="toy")
+    if how == "train label 10":
+        ds.train_labels[17] = 10
+    elif how == "test label -1":
+        ds.test_labels[3] = -1
+    elif how == "NaN":
+        ds.train_images[5, 2, 2, 0] = np.nan
+    elif how == "fewer labels":
+        ds.train_labels = ds.train_labels[:-1]
+    elif how == "empty test set":
+        ds.test_images, ds.test_labels = ds.test_images[:0], ds.test_labels[:0]
+    return ds
+
+
+@pytest.mark.parametrize("how, message", [
+    ("train label 10", r"toy: train label 10 \(example 17\) is not a class of the model, "
+                       r"which has 10 \(0..9\)"),
+    ("test label -1", r"toy: test label -1 \(example 3\) is not a class"),
+    ("NaN", "toy: train image 5 holds NaN or infinity"),
+    ("fewer labels", "toy: train has 512 images but 511 labels"),
+    ("empty test set", "toy: the test set is empty"),
+])
+def test_bad_data_is_one_error_before_training(tmp_path, small_dataset, how, message):
+    from kdist import training
+
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=2,
+                                  steps_per_epoch=2, checkpoint_dir=str(tmp_path / "ck"))
+    lines = []
+    with pytest.raises(data.DataError, match=message):
+        training.train_and_evaluate(config, _corrupt(small_dataset, how), log=lines.append)
+    assert lines == []  # Not even the banner: nothing ran.
+    assert not os.path.exists(tmp_path / "ck") or not os.listdir(tmp_path / "ck")

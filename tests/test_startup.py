@@ -1,5 +1,6 @@
 """Process start-up settings (`kdist.startup`), each checked in a fresh process."""
 
+import json
 import os
 import subprocess
 import sys
@@ -137,3 +138,39 @@ def test_released_memory_leaves_the_process():
     ran, kept_kib, released_kib = _run(_RELEASE, SCRATCH)
     assert ran == "True"
     assert int(kept_kib) - int(released_kib) >= (SCRATCH >> 10) * 9 // 10
+
+
+def test_backend_comes_from_keras_json_when_keras_backend_is_unset(tmp_path, monkeypatch):
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    assert startup.selected_backend() == "tensorflow"  # No keras.json: Keras' default.
+    (tmp_path / "keras.json").write_text(json.dumps({"floatx": "float32", "backend": "jax"}))
+    assert startup.selected_backend() == "jax"
+    monkeypatch.setenv("KERAS_BACKEND", "")  # Empty: Keras ignores it.
+    assert startup.selected_backend() == "jax"
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    assert startup.selected_backend() == "tensorflow"
+    monkeypatch.delenv("KERAS_BACKEND")
+    (tmp_path / "keras.json").write_text("{not json")
+    assert startup.selected_backend() == "tensorflow"
+
+
+def test_selected_backend_agrees_with_keras(tmp_path, monkeypatch):
+    backend = os.environ["KERAS_BACKEND"]  # This session's, installed.
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": backend}))
+    env = dict(os.environ, KERAS_HOME=str(tmp_path))
+    del env["KERAS_BACKEND"]
+    source = (f"import sys; sys.path.insert(0, {REPO!r}); from kdist import startup; "
+              "chosen = startup.selected_backend(); import keras; "
+              "print(chosen, keras.backend.backend())")
+    result = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True,
+                            text=True, check=True)
+    assert result.stdout.split() == [backend, backend]
+
+
+def test_unsupported_backend_in_keras_json_names_the_file(tmp_path, monkeypatch):
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch"}))
+    with pytest.raises(startup.UsageError, match=r'"backend" in .*keras.json=torch'):
+        startup.prepare_environment()

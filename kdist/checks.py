@@ -1,0 +1,81 @@
+"""Checks of a run's settings and output paths, made before any work starts.
+
+Importing this module imports no framework (nor NumPy), so the command line
+runs the same checks before TensorFlow or JAX load; `train_and_evaluate`
+runs them again for library callers. Every failure is a `UsageError`: one
+line that names the setting and what to change.
+"""
+
+import math
+import os
+
+from kdist.startup import UsageError
+
+SEED_RANGE = (0, 2**32 - 1)  # What NumPy's global seed (keras.utils.set_random_seed) takes.
+
+
+def check_seed(seed, name="seed"):
+    """Raises UsageError unless `seed` is a whole number NumPy's seeding takes."""
+    low, high = SEED_RANGE
+    if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
+        raise UsageError(f"{name} must be a whole number in {low}..{high}, got {seed!r}")
+
+
+def check_positive(value, name, kind=int, optional=False):
+    """Raises UsageError unless `value` is a finite `kind` above 0 (or None if `optional`)."""
+    if value is None and optional:
+        return
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        number = number and isinstance(value, int)
+    if not number or not math.isfinite(value) or value <= 0:
+        raise UsageError(f"{name} must be a finite number greater than 0, got {value!r}")
+
+
+def check_config(config):
+    """Checks the fields of a `kdist.TrainConfig`; raises UsageError for the first bad one."""
+    for name in ("epochs", "batch_size_per_replica", "checkpoint_every", "keep",
+                 "steps_per_execution"):
+        check_positive(getattr(config, name), name)
+    check_positive(config.learning_rate, "learning_rate", kind=float)
+    check_positive(config.replicas, "replicas", optional=True)
+    check_positive(config.steps_per_epoch, "steps_per_epoch", optional=True)
+    check_seed(config.seed)
+
+
+def metrics_csv_path(path):
+    """The CSV sibling of metrics file `path`: `path` with `.csv` in place of its suffix."""
+    return os.path.splitext(path)[0] + ".csv"
+
+
+def check_metrics_file(path, name="--metrics-file"):
+    """Raises UsageError unless the metrics file and its CSV sibling can be written.
+
+    `path` must not end in `.csv` (its CSV sibling would be the file itself);
+    both files must be in an existing, writable folder and must not be
+    folders or read-only files themselves.
+    """
+    if path is None:
+        return
+    if os.path.splitext(path)[1].lower() == ".csv":
+        raise UsageError(f"{name} {path}: the JSON lines file must not end in .csv (the CSV "
+                         f"goes beside it, named with .csv in place of its suffix); use e.g. "
+                         f"{os.path.splitext(path)[0]}.jsonl")
+    for target in (path, metrics_csv_path(path)):
+        check_writable_file(target, name)
+
+
+def check_writable_file(path, name):
+    """Raises UsageError unless `path` can be created or overwritten as a file."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        problem = "is a folder"
+    elif not os.path.isdir(folder):
+        problem = f"is in {folder}, which is not an existing folder"
+    elif os.path.exists(path) and not os.access(path, os.W_OK):
+        problem = "is not writable"
+    elif not os.access(folder, os.W_OK | os.X_OK):
+        problem = f"is in {folder}, which is not writable"
+    else:
+        return
+    raise UsageError(f"{name} {path}: {problem}; pass a file path in a folder you can write")

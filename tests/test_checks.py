@@ -1,0 +1,41 @@
+"""Limits of a run's settings: bad values refused up front, oversized chunks capped."""
+
+import pytest
+
+from kdist import training
+from kdist.startup import UsageError
+from test_training import config
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("seed", -1, "seed must be a whole number in 0..4294967295, got -1"),
+    ("seed", 2**32, "seed must be a whole number in 0..4294967295, got 4294967296"),
+    ("epochs", 0, "epochs must be a finite number greater than 0, got 0"),
+    ("keep", 0, "keep must be a finite number greater than 0"),
+    ("learning_rate", float("inf"), "learning_rate must be a finite number"),
+    ("steps_per_execution", 2.5, "steps_per_execution must be a finite number"),
+])
+def test_train_config_refuses_values_out_of_range(tmp_path, field, value, message):
+    with pytest.raises(UsageError, match=message):
+        config(tmp_path, "ck", **{field: value})
+
+
+def test_the_largest_seed_trains(tmp_path, small_dataset):
+    cfg = config(tmp_path, "ck", epochs=1, steps_per_epoch=1, seed=2**32 - 1)
+    result = training.train_and_evaluate(cfg, small_dataset, log=lambda line: None)
+    assert len(result["history"]) == 1
+
+
+def test_steps_per_execution_is_capped_at_the_epoch_and_the_eval_batches(
+        tmp_path, small_dataset, monkeypatch):
+    stacked = []
+    original = training.stack_chunk
+    monkeypatch.setattr(training, "stack_chunk",
+                        lambda batches: stacked.append(len(batches)) or original(batches))
+    lines = []
+    cfg = config(tmp_path, "ck", epochs=1, steps_per_epoch=3, steps_per_execution=40)
+    training.train_and_evaluate(cfg, small_dataset, log=lines.append)
+    # 3 train steps, then 1,001 test examples in 32 batches of 32 (2 replicas x 16),
+    # twice: the epoch's evaluation and the restored model's.
+    assert stacked == [3, 32, 32]
+    assert "; --steps-per-execution 40 capped at 3, the steps of an epoch" in lines[0]

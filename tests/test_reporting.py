@@ -1,0 +1,81 @@
+"""Metrics files: checked before training, each epoch once after a crash, clear write errors."""
+
+import csv
+import json
+import os
+
+import pytest
+
+from kdist import checkpoints, reporting
+from kdist.startup import UsageError
+from test_training import config, run
+
+
+def json_lines(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def csv_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def test_resume_rewrites_the_metrics_files_from_the_checkpoint(tmp_path, small_dataset):
+    metrics = tmp_path / "m.jsonl"
+    cfg = config(tmp_path, "ck", epochs=3, checkpoint_every=2, metrics_file=str(metrics))
+    first = run(cfg, small_dataset)
+    # As if killed after epoch 3 was reported but before its checkpoint landed.
+    manager = checkpoints.CheckpointManager(cfg.checkpoint_dir)
+    os.remove(manager.paths()[-1])
+    assert manager.latest()[1]["epoch"] == 2
+
+    resumed = run(cfg, small_dataset)
+    lines = json_lines(metrics)
+    assert [line.get("epoch") for line in lines] == [1, 2, 3, None]
+    assert lines[:2] == first["history"][:2]  # Rewritten from the checkpoint's history.
+    assert lines[2] == resumed["history"][2] and lines[3]["restored"] is True
+    rows = csv_rows(tmp_path / "m.csv")
+    assert rows[0] == list(reporting.MetricsWriter.CSV_COLUMNS)
+    assert [row[0] for row in rows[1:]] == ["0", "1", "2"]
+
+
+def test_a_fresh_run_starts_the_metrics_files_empty(tmp_path, small_dataset):
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text('{"epoch": 7}\n')
+    (tmp_path / "m.csv").write_text("old,run\n")
+    run(config(tmp_path, "ck", epochs=1, metrics_file=str(metrics)), small_dataset)
+    run(config(tmp_path, "ck", epochs=1, metrics_file=str(metrics), resume=False),
+        small_dataset)
+    assert [line.get("epoch") for line in json_lines(metrics)] == [1, None]
+    assert [row[0] for row in csv_rows(tmp_path / "m.csv")] == ["epoch", "0"]
+
+
+@pytest.mark.parametrize("name, problem", [
+    ("missing/m.jsonl", "which is not an existing folder"),
+    ("folder", "is a folder"),
+    ("m.csv", "must not end in .csv"),
+    ("m.CSV", "must not end in .csv"),
+])
+def test_a_bad_metrics_path_stops_the_library_before_training(tmp_path, small_dataset,
+                                                              name, problem):
+    (tmp_path / "folder").mkdir()
+    cfg = config(tmp_path, "ck", metrics_file=str(tmp_path / name))
+    with pytest.raises(UsageError, match=problem):
+        run(cfg, small_dataset)
+    assert not checkpoints.CheckpointManager(cfg.checkpoint_dir).paths()
+
+
+def test_the_csv_sibling_must_be_writable_too(tmp_path, small_dataset):
+    (tmp_path / "m.csv").mkdir()
+    with pytest.raises(UsageError, match="m.csv: is a folder"):
+        run(config(tmp_path, "ck", metrics_file=str(tmp_path / "m.jsonl")), small_dataset)
+
+
+def test_a_full_disk_is_one_metrics_error():
+    if not os.path.exists("/dev/full"):
+        pytest.fail("needs /dev/full (Linux) to fill a disk")
+    writer = reporting.MetricsWriter("/dev/full")
+    record = dict.fromkeys(reporting.EPOCH_KEYS, 1.0)
+    with pytest.raises(reporting.MetricsError,
+                       match="cannot write the metrics file /dev/full .No space left"):
+        writer.epoch(record)
