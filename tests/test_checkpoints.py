@@ -68,12 +68,22 @@ def test_keeps_the_newest_and_metadata_round_trips(tmp_path):
     assert path.endswith("ckpt-00000040.weights.h5") and meta["step"] == 40
 
 
-def test_truncated_latest_falls_back_to_previous(tmp_path):
+def saved_once(folder):
+    """A model and a manager of `folder` holding its checkpoint 1: (model, manager, path)."""
     _, model = trained_model()
-    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager = checkpoints.CheckpointManager(str(folder))
     manager.prepare()
-    good = save(manager, model, 1)
-    bad = save(manager, model, 2)
+    return model, manager, save(manager, model, 1)
+
+
+def two_checkpoints(tmp_path):
+    """A manager of `tmp_path` holding checkpoints 1 and 2: (manager, path 1, path 2)."""
+    model, manager, good = saved_once(tmp_path)
+    return manager, good, save(manager, model, 2)
+
+
+def test_truncated_latest_falls_back_to_previous(tmp_path):
+    manager, good, bad = two_checkpoints(tmp_path)
     with open(bad, "r+b") as f:
         f.truncate(os.path.getsize(bad) // 2)
     with pytest.warns(UserWarning, match="ckpt-00000002"):
@@ -82,10 +92,7 @@ def test_truncated_latest_falls_back_to_previous(tmp_path):
 
 
 def test_failed_rename_leaves_previous_checkpoints_valid(tmp_path, monkeypatch):
-    _, model = trained_model()
-    manager = checkpoints.CheckpointManager(str(tmp_path))
-    manager.prepare()
-    good = save(manager, model, 1)
+    model, manager, good = saved_once(tmp_path)
 
     def crash(src, dst):
         raise OSError(28, "No space left on device")
@@ -137,10 +144,7 @@ def test_starting_over_replaces_the_old_run_only_when_it_saves(tmp_path):
 
 
 def test_failed_flush_is_one_clear_error_and_removes_the_temporary_file(tmp_path, monkeypatch):
-    _, model = trained_model()
-    manager = checkpoints.CheckpointManager(str(tmp_path))
-    manager.prepare()
-    good = save(manager, model, 1)
+    model, manager, good = saved_once(tmp_path)
 
     def full(fd):  # Where a full disk or a failing NFS server reports a lost write.
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -155,10 +159,7 @@ def test_failed_flush_is_one_clear_error_and_removes_the_temporary_file(tmp_path
 
 
 def test_full_disk_is_one_clear_error_and_keeps_the_older_checkpoint(small_tmpfs):
-    _, model = trained_model()
-    manager = checkpoints.CheckpointManager(str(small_tmpfs / "ckpt"))
-    manager.prepare()
-    good = save(manager, model, 1)
+    model, manager, good = saved_once(small_tmpfs / "ckpt")
     with pytest.raises(checkpoints.CheckpointError,
                        match=f"^cannot write checkpoint in {small_tmpfs}/ckpt: "
                              "No space left on device$"):
@@ -179,10 +180,7 @@ def damage_weights(path, name="layers/dense/vars/0"):
 
 
 def test_damaged_weights_fail_the_checksum_and_fall_back(tmp_path):
-    _, model = trained_model()
-    manager = checkpoints.CheckpointManager(str(tmp_path))
-    manager.prepare()
-    good = save(manager, model, 1)
+    model, manager, good = saved_once(tmp_path)
     bad = save(manager, model, 2)
     damage_weights(bad)
     assert checkpoints.read_metadata(bad)["step"] == 2  # Its metadata still reads.
@@ -196,10 +194,7 @@ def test_damaged_weights_fail_the_checksum_and_fall_back(tmp_path):
 
 
 def test_non_finite_weights_are_never_written(tmp_path):
-    _, model = trained_model()
-    manager = checkpoints.CheckpointManager(str(tmp_path))
-    manager.prepare()
-    good = save(manager, model, 1)
+    model, manager, good = saved_once(tmp_path)
     kernel = model.layers[-1].kernel
     kernel.assign(np.full(kernel.shape, np.nan, np.float32))
     with pytest.raises(checkpoints.CheckpointError,
