@@ -198,8 +198,6 @@ def _train(run, log, stop):
         log = _quiet
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
                          run.train_chunk))
-    if stop.poll():  # Asked to stop while starting: nothing new to save.
-        raise Interrupted(f"{stop.reason()}: stopped before training started", stop.signal_name)
     metrics = reporting.MetricsWriter(config.metrics_file if chief else None)
     history = run.position["history"]
     metrics.start(history)  # Each epoch once, even after a crash and a resume.

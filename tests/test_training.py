@@ -119,10 +119,7 @@ def test_lock_is_held_while_training_and_released_on_every_exit(tmp_path, small_
 
 
 class StopAfter:
-    """A stop request that turns true after `chunks` compiled calls (steps, with 1 per call).
-
-    The loop reads it once before the first step, then after every call.
-    """
+    """A stop request that turns true after `chunks` compiled calls (steps, with 1 per call)."""
 
     signal_name = "SIGTERM"
 
@@ -132,7 +129,7 @@ class StopAfter:
 
     def __bool__(self):
         self.checks += 1
-        return self.checks > self.chunks
+        return self.checks >= self.chunks
 
 
 def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
