@@ -30,15 +30,12 @@ import tempfile
 import warnings
 
 from kdist import ckptfile, runlock
+from kdist.errors import CheckpointError
 
 FORMAT = ckptfile.FORMAT
 _NAME = re.compile(r"^ckpt-(\d{8})\.weights\.h5$")
 _TMP_PREFIX = ".tmp-"
 _TMP = re.compile(r"^\.tmp-\d+-(ckpt\.weights\.h5|probe)$")  # What kdist writes, by name.
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or read, or does not fit the model."""
 
 
 class CheckpointWarning(UserWarning):

@@ -9,7 +9,7 @@ line that names the setting and what to change.
 import math
 import os
 
-from kdist.startup import UsageError
+from kdist.errors import UsageError
 
 SEED_RANGE = (0, 2**32 - 1)  # What NumPy's global seed (keras.utils.set_random_seed) takes.
 

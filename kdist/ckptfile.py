@@ -22,21 +22,10 @@ import json
 import h5py
 import numpy as np
 
+from kdist.errors import InvalidCheckpoint, NonFiniteWeights
+
 FORMAT = "kdist-checkpoint-2"
 READABLE = ("kdist-checkpoint-1", FORMAT)
-
-
-class InvalidCheckpoint(ValueError):
-    """A file that is not a kdist checkpoint, or one that fails verification."""
-
-
-class NonFiniteWeights(ValueError):
-    """The model holds NaN or infinite values; `names` lists where."""
-
-    def __init__(self, names):
-        super().__init__(f"non-finite values in {', '.join(names[:3])}"
-                         + (f" and {len(names) - 3} more" if len(names) > 3 else ""))
-        self.names = names
 
 
 class _Buffer(io.BytesIO):

@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 
-from kdist.startup import UsageError
+from kdist.errors import UsageError
 
 JAX_VARIABLES = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
                  "KERAS_DISTRIBUTION_PROCESS_ID")

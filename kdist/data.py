@@ -13,7 +13,8 @@ import struct
 
 import numpy as np
 
-from kdist.startup import UsageError, keras_home
+from kdist.errors import DataError, UsageError
+from kdist.startup import keras_home
 
 FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
@@ -25,10 +26,6 @@ DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 IMAGE_SHAPE = (28, 28, 1)
 NUM_CLASSES = 10
 _IDX_MAGIC = {"images": (0x0803, 3), "labels": (0x0801, 1)}
-
-
-class DataError(RuntimeError):
-    """The data set is missing, incomplete or corrupt."""
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@ import keras
 
 import kdist
 from kdist import checks
+from kdist.errors import MetricsError
 
 EPOCH_KEYS = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
               "seconds", "samples_per_sec")
@@ -51,10 +52,6 @@ def format_epoch(record, epochs):
     return (f"Epoch {record['epoch']}/{epochs}, Loss: {record['train_loss']:.4f}, "
             f"Accuracy: {record['train_accuracy']:.2f}%, Test Loss: {record['test_loss']:.4f}, "
             f"Test Accuracy: {record['test_accuracy']:.2f}% ({speed})")
-
-
-class MetricsError(RuntimeError):
-    """A metrics file cannot be written (a full disk, a folder gone)."""
 
 
 class MetricsWriter:

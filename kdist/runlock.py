@@ -13,11 +13,9 @@ import os
 import socket
 import time
 
+from kdist.errors import LockHeld
+
 LOCK_NAME = "kdist.lock"
-
-
-class LockHeld(RuntimeError):
-    """Another run holds the folder's lock; the message names it."""
 
 
 def _owner():

@@ -13,15 +13,9 @@ import os
 import re
 import sys
 
+from kdist.errors import UsageError
+
 SUPPORTED_BACKENDS = ("tensorflow", "jax")
-
-
-class UsageError(ValueError):
-    """The request cannot be met as asked (a flag or setting to change).
-
-    The command line reports it like argparse does: one line, exit status 2.
-    """
-
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 

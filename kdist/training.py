@@ -16,6 +16,7 @@ import keras
 import numpy as np
 
 from kdist import checkpoints, checks, data, engines, interrupt, losses, reporting
+from kdist.errors import Interrupted, TrainingError
 from kdist.model import create_model
 from kdist.startup import UsageError
 
@@ -41,10 +42,6 @@ class TrainConfig:
 
     def __post_init__(self):
         checks.check_config(self)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. a non-finite loss)."""
 
 
 def adam(learning_rate):
@@ -144,18 +141,6 @@ def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
                                             shard=engine.shard),
                           steps_per_execution=chunk)
     return summarize(totals)
-
-
-class Interrupted(RuntimeError):
-    """Training stopped on a signal after writing a checkpoint.
-
-    `signal_name` is the signal this process received ("SIGTERM", ...), or
-    None when another worker's signal stopped every worker.
-    """
-
-    def __init__(self, message, signal_name=None):
-        super().__init__(message)
-        self.signal_name = signal_name
 
 
 def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam,
