@@ -15,7 +15,7 @@ import sys
 
 from kdist.errors import UsageError
 
-SUPPORTED_BACKENDS = ("tensorflow", "jax")
+BACKENDS = ("tensorflow", "jax")  # The Keras backends kdist has an engine for.
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -52,17 +52,22 @@ def selected_backend():
         return KERAS_DEFAULT_BACKEND
 
 
+def check_backend(backend):
+    """Returns `backend` if kdist supports it; else raises UsageError naming where it was set."""
+    if backend not in BACKENDS:
+        where = ("KERAS_BACKEND" if os.environ.get("KERAS_BACKEND")
+                 else f'"backend" in {os.path.join(keras_home(), "keras.json")}')
+        raise UsageError(f"{where}={backend} is not supported; "
+                         f"set it to one of: {', '.join(BACKENDS)}")
+    return backend
+
+
 def prepare_environment(replicas=None, verbose=False):
     """Sets the environment for `replicas` CPU devices and quiet start-up logs.
 
     Raises UsageError for an unsupported backend (see `selected_backend`).
     """
-    backend = selected_backend()
-    if backend not in SUPPORTED_BACKENDS:
-        where = ("KERAS_BACKEND" if os.environ.get("KERAS_BACKEND")
-                 else f'"backend" in {os.path.join(keras_home(), "keras.json")}')
-        raise UsageError(f"{where}={backend} is not supported; "
-                         f"set it to one of: {', '.join(SUPPORTED_BACKENDS)}")
+    backend = check_backend(selected_backend())
     if not verbose:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # oneDNN/CUDA notices.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

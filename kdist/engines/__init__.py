@@ -22,17 +22,13 @@ import importlib
 
 import keras
 
-from kdist.startup import UsageError
-
-BACKENDS = ("tensorflow", "jax")
+from kdist.errors import UsageError  # noqa: F401 (kdist.engines.UsageError, as before)
+from kdist.startup import BACKENDS, check_backend  # noqa: F401 (one registry, in startup)
 
 
 def _backend_module():
     """The engine module of the active Keras backend (`KERAS_BACKEND`)."""
-    backend = keras.backend.backend()
-    if backend not in BACKENDS:
-        raise UsageError(f"KERAS_BACKEND={backend} is not supported; "
-                         f"use one of {', '.join(BACKENDS)}")
+    backend = check_backend(keras.backend.backend())
     return importlib.import_module(f"kdist.engines.{backend}")
 
 
