@@ -10,8 +10,8 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "TrainConfig": "kdist.training",
-    "OPTIMIZERS": "kdist.training",
+    "TrainConfig": "kdist.config",
+    "OPTIMIZERS": "kdist.config",
     "train_and_evaluate": "kdist.training",
     "evaluate_checkpoint": "kdist.training",
     "create_model": "kdist.model",

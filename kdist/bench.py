@@ -16,6 +16,7 @@ import time
 import keras
 
 from kdist import data, engines, losses, training
+from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.model import create_model
 
 
@@ -89,8 +90,9 @@ def _time_twice(fn):
     return time.perf_counter() - start
 
 
-def run(dataset, replicas=None, batch_size_per_replica=64, steps=None, windows=4,
-        steps_per_execution=8, log=print):
+def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_per_replica,
+        steps=None, windows=BENCH_WINDOWS, steps_per_execution=TrainConfig.steps_per_execution,
+        log=print):
     """Measures kdist then fit; logs a table and returns the summary dict."""
     engine = engines.create_engine(replicas)
     global_batch = batch_size_per_replica * engine.num_replicas

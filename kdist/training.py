@@ -6,7 +6,6 @@ checkpoint restored into a fresh model with no distribution and evaluated.
 The engine (`kdist.engines`) is the only backend-specific piece.
 """
 
-import dataclasses
 import itertools
 import math
 import os
@@ -16,44 +15,10 @@ import keras
 import numpy as np
 
 from kdist import checkpoints, checks, data, engines, interrupt, losses, reporting
+from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError
 from kdist.model import create_model
 from kdist.startup import UsageError
-
-
-@dataclasses.dataclass
-class TrainConfig:
-    """Everything that shapes a run; the CLI flags map onto these fields."""
-
-    epochs: int = 10
-    batch_size_per_replica: int = 64
-    learning_rate: float = 1e-3
-    replicas: int | None = None  # None: every visible device.
-    checkpoint_dir: str = "./training_checkpoints"
-    checkpoint_every: int = 2
-    keep: int = 3
-    resume: bool = True
-    seed: int = 0
-    steps_per_epoch: int | None = None  # None: the whole epoch.
-    steps_per_execution: int = 8  # Train steps per compiled call (see README).
-    metrics_file: str | None = None
-    progress: bool = False
-    break_lock: bool = False  # Take the folder's lock even from a live run (see kdist.runlock).
-
-    def __post_init__(self):
-        checks.check_config(self)
-
-
-def adam(learning_rate):
-    return keras.optimizers.Adam(learning_rate)
-
-
-def sgd(learning_rate):
-    """Plain SGD: its step is linear in the gradient, so tests can compare runs exactly."""
-    return keras.optimizers.SGD(learning_rate)
-
-
-OPTIMIZERS = {"adam": adam, "sgd": sgd}
 
 
 def build(engine, model_fn, optimizer_fn, learning_rate):
@@ -327,8 +292,9 @@ def _step_callback(config, epoch, first_step, steps, global_batch):
 
 
 def evaluate_checkpoint(path, dataset, model_fn=create_model,
-                        loss_fn=losses.sparse_categorical_crossentropy, batch_size=64,
-                        steps_per_execution=8):
+                        loss_fn=losses.sparse_categorical_crossentropy,
+                        batch_size=TrainConfig.batch_size_per_replica,
+                        steps_per_execution=TrainConfig.steps_per_execution):
     """Restores `path` into a fresh model with no distribution and evaluates it."""
     engine = engines.create_engine(distributed=False)
     model, _ = build(engine, model_fn, None, None)

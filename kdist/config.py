@@ -1,0 +1,90 @@
+"""A run's settings and their one source: `TrainConfig`, its defaults, help and choices.
+
+Each `TrainConfig` field carries its command-line help in its metadata
+(`"help"`, and `"flag"` where the flag is not `--` plus the field name with
+dashes, or None where the field has no flag), so `kdist.cli` derives the
+train flags from the fields; other callers (`evaluate_checkpoint`,
+`kdist.bench`) take their defaults from `TrainConfig`'s class attributes.
+`OPTIMIZERS` is the registry behind `--optimizer`.
+
+Importing this module imports no framework: the command line builds its
+parser from it before TensorFlow or JAX load (the optimizers import Keras
+when called).
+"""
+
+import dataclasses
+
+from kdist import checks
+
+BENCH_WINDOWS = 4  # Steady epochs `kdist.bench` times after the first.
+
+
+def _setting(default, help, flag=""):
+    """A field with a default and its flag's help; `flag` None: no flag, "": the default name."""
+    metadata = {"help": help} if flag == "" else {"help": help, "flag": flag}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything that shapes a run; each field is also a train.py flag (see the metadata)."""
+
+    epochs: int = _setting(10, "training epochs")
+    batch_size_per_replica: int = _setting(
+        64, "examples per replica per step; the global batch is this times the replica count")
+    learning_rate: float = _setting(1e-3, "learning rate of --optimizer")
+    replicas: int | None = _setting(
+        None, "data-parallel replicas (default: every visible device; on a CPU-only machine "
+              "N splits the CPU into N devices)")
+    checkpoint_dir: str = _setting("./training_checkpoints", "folder for checkpoints")
+    checkpoint_every: int = _setting(2, "checkpoint every N epochs, and always after the last")
+    keep: int = _setting(3, "checkpoints to keep")
+    resume: bool = _setting(
+        True, "start over even if --checkpoint-dir holds a checkpoint (default: resume from "
+              "the newest one)", flag="--no-resume")
+    seed: int = _setting(0, "seed for weights and data order")
+    steps_per_epoch: int | None = _setting(
+        None, "train on only the first N global batches of each epoch (default: the whole "
+              "epoch)")
+    steps_per_execution: int = _setting(
+        8, "train steps run by one compiled call; statistics come back once per call")
+    metrics_file: str | None = _setting(
+        None, "write one JSON object per epoch (and one for the restored model) to this file, "
+              "and the epochs as CSV to PATH with .csv in place of its suffix; a fresh run "
+              "empties both, a resumed one rewrites them from its checkpoint")
+    progress: bool = _setting(False, "show a progress bar (the CLI: on in a terminal, "
+                                     "unless --quiet)", flag=None)
+    break_lock: bool = _setting(
+        False, "take --checkpoint-dir even if another run holds its lock (only when that run "
+               "is gone; a lock whose process has ended on this host is taken over without "
+               "it)")
+
+    def __post_init__(self):
+        checks.check_config(self)
+
+
+def flag_fields():
+    """The `TrainConfig` fields that are command-line flags, in field order."""
+    return [f for f in dataclasses.fields(TrainConfig) if f.metadata.get("flag", "") is not None]
+
+
+def flag_name(field):
+    """The flag of `field`: its metadata's "flag", else `--` and its name with dashes."""
+    return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
+
+
+def adam(learning_rate):
+    import keras  # Here, not above: this module loads before any framework.
+
+    return keras.optimizers.Adam(learning_rate)
+
+
+def sgd(learning_rate):
+    """Plain SGD: its step is linear in the gradient, so tests can compare runs exactly."""
+    import keras
+
+    return keras.optimizers.SGD(learning_rate)
+
+
+OPTIMIZERS = {"adam": adam, "sgd": sgd}  # --optimizer's choices; the first is the default.
+DEFAULT_OPTIMIZER = next(iter(OPTIMIZERS))
