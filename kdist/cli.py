@@ -1,4 +1,9 @@
-"""Command line of scripts/train.py and scripts/evaluate.py."""
+"""Command line of scripts/train.py, scripts/evaluate.py and scripts/bench.py.
+
+The train flags are derived from `kdist.TrainConfig`'s fields (their help is
+in the fields' metadata, see `kdist.config`). Every main maps kdist's errors
+to exit statuses in one place, `_run`.
+"""
 
 import argparse
 import functools
@@ -8,10 +13,11 @@ import math
 import os
 import signal
 import sys
+import typing
 import warnings
 
 import kdist
-from kdist import checks, cluster, interrupt, launch, startup
+from kdist import checks, cluster, config, errors, interrupt, launch, startup
 
 
 def _positive(kind):
@@ -33,11 +39,74 @@ def _positive(kind):
 def _seed(text):
     try:
         checks.check_seed(int(text), name="the seed")
-    except (ValueError, startup.UsageError) as e:
+    except ValueError as e:  # Not a whole number, or a UsageError (a ValueError too).
         low, high = checks.SEED_RANGE
         raise argparse.ArgumentTypeError(
             f"expected a whole number in {low}..{high}, got {text!r}") from e
     return int(text)
+
+
+_PARSERS = {"seed": _seed}  # Number fields that are not simply "greater than 0".
+
+
+def _config_argument(field):
+    """(flag, add_argument keywords) of a `TrainConfig` field."""
+    kind = next(t for t in typing.get_args(field.type) + (field.type,) if t is not type(None))
+    help = field.metadata["help"]
+    if field.default is not None and kind is not bool and "(default" not in help:
+        help += " (default: %(default)s)"
+    keywords = dict(dest=field.name, default=field.default, help=help)
+    if kind is bool:
+        keywords["action"] = "store_false" if field.default else "store_true"
+    elif kind in (int, float):
+        keywords["type"] = _PARSERS.get(field.name) or _positive(kind)
+    return config.flag_name(field), keywords
+
+
+def add_config_flags(parser, names=None):
+    """Adds the flags of `TrainConfig`'s fields `names` (default: every field with a flag)."""
+    for field in config.flag_fields():
+        if names is None or field.name in names:
+            flag, keywords = _config_argument(field)
+            parser.add_argument(flag, **keywords)
+
+
+def config_from_args(args, **fields):
+    """The `TrainConfig` of parsed train flags; `fields` sets those without a flag."""
+    values = {f.name: getattr(args, f.name) for f in config.flag_fields()}
+    return kdist.TrainConfig(**values, **fields)
+
+
+def _usage(parser, error):
+    parser.error(str(error))  # The usage, then "PROG: error: ...": exit status 2.
+
+
+def _interrupted(parser, error):
+    print(f"interrupted: {error}", file=sys.stderr)
+    # A worker stopped by another's signal exits as if terminated.
+    return 128 + getattr(signal, error.signal_name or "SIGTERM")
+
+
+def _failed(parser, error):
+    print(f"error: {error}", file=sys.stderr)
+    return 1
+
+
+# How each kind of error ends a script, first match wins: usage errors exit 2
+# as argparse's own do, a stop on a signal 128 + the signal, the rest 1.
+EXIT_STATUSES = ((errors.UsageError, _usage), (errors.Interrupted, _interrupted),
+                 (errors.KdistError, _failed))
+
+
+def _run(parser, argv, body, failures=()):
+    """Parses `argv` and returns `body(args)`; a kdist error (or one of `failures`)
+    ends as `EXIT_STATUSES` says."""
+    args = parser.parse_args(argv)
+    try:
+        return body(args)
+    except (errors.KdistError, *failures) as error:
+        handler = next((h for kind, h in EXIT_STATUSES if isinstance(error, kind)), _failed)
+        return handler(parser, error)
 
 
 def _quiet_signals(message):
@@ -53,23 +122,9 @@ def _quiet_signals(message):
     return decorate
 
 
-def _add_batching(parser):
-    """Flags that shape the distributed steps, shared by train.py and bench.py."""
-    parser.add_argument("--batch-size-per-replica", type=_positive(int), default=64,
-                        help="examples per replica per step; the global batch is this "
-                             "times the replica count (default: %(default)s)")
-    parser.add_argument("--replicas", type=_positive(int), default=None,
-                        help="data-parallel replicas (default: every visible device; on a "
-                             "CPU-only machine N splits the CPU into N devices)")
-    parser.add_argument("--steps-per-execution", type=_positive(int), default=8,
-                        help="train steps run by one compiled call; statistics come back "
-                             "once per call (default: %(default)s)")
-
-
 def _add_common(parser, checkpoints=True):
     if checkpoints:
-        parser.add_argument("--checkpoint-dir", default="./training_checkpoints",
-                            help="folder for checkpoints (default: %(default)s)")
+        add_config_flags(parser, ["checkpoint_dir"])
     parser.add_argument("--data-dir", default=None,
                         help="folder with the four Fashion-MNIST IDX .gz files (default: "
                              "the Keras cache, then /usr/share/datasets/fashion-mnist, "
@@ -87,39 +142,14 @@ def train_parser():
         description="Train the tutorial CNN on Fashion-MNIST, data-parallel, on the backend "
                     "chosen by KERAS_BACKEND (tensorflow or jax); then restore the latest "
                     "checkpoint without distribution and evaluate it.")
-    parser.add_argument("--epochs", type=_positive(int), default=10,
-                        help="training epochs (default: %(default)s)")
-    _add_batching(parser)
-    parser.add_argument("--learning-rate", type=_positive(float), default=1e-3,
-                        help="learning rate of --optimizer (default: %(default)s)")
-    parser.add_argument("--checkpoint-every", type=_positive(int), default=2,
-                        help="checkpoint every N epochs, and always after the last "
-                             "(default: %(default)s)")
-    parser.add_argument("--keep", type=_positive(int), default=3,
-                        help="checkpoints to keep (default: %(default)s)")
-    parser.add_argument("--no-resume", dest="resume", action="store_false",
-                        help="start over even if --checkpoint-dir holds a checkpoint "
-                             "(default: resume from the newest one)")
-    parser.add_argument("--seed", type=_seed, default=0,
-                        help="seed for weights and data order (default: %(default)s)")
-    parser.add_argument("--steps-per-epoch", type=_positive(int), default=None,
-                        help="train on only the first N global batches of each epoch "
-                             "(default: the whole epoch)")
-    parser.add_argument("--metrics-file", default=None,
-                        help="write one JSON object per epoch (and one for the restored "
-                             "model) to this file, and the epochs as CSV to PATH with .csv in "
-                             "place of its suffix; a fresh run empties both, a resumed one "
-                             "rewrites them from its checkpoint")
+    add_config_flags(parser)
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (it is also off when stdout is not a terminal)")
-    parser.add_argument("--optimizer", choices=("adam", "sgd"), default="adam",
-                        help="adam, or plain sgd (for exact comparisons between runs; "
-                             "--learning-rate applies to either) (default: %(default)s)")
-    parser.add_argument("--break-lock", action="store_true",
-                        help="take --checkpoint-dir even if another run holds its lock "
-                             "(only when that run is gone; a lock whose process has ended "
-                             "on this host is taken over without it)")
-    _add_common(parser)
+    parser.add_argument("--optimizer", choices=tuple(config.OPTIMIZERS),
+                        default=config.DEFAULT_OPTIMIZER,
+                        help="the optimizer; sgd is plain SGD, for exact comparisons between "
+                             "runs; --learning-rate applies to any (default: %(default)s)")
+    _add_common(parser, checkpoints=False)
     _add_multiworker(parser)
     return parser
 
@@ -144,27 +174,20 @@ def _add_multiworker(parser):
                             "an error (default: %(default)s)")
 
 
-def _cluster_spec(parser, args):
-    """This worker's ClusterSpec from the flags or the environment; bad input exits 2."""
-    try:
-        return cluster.from_flags_and_env(args.workers, args.worker_index, args.peers,
-                                          args.connect_timeout,
-                                          backend=startup.selected_backend())
-    except startup.UsageError as e:
-        parser.error(str(e))
+def _cluster_spec(args):
+    """This worker's ClusterSpec from the flags or the environment."""
+    return cluster.from_flags_and_env(args.workers, args.worker_index, args.peers,
+                                      args.connect_timeout, backend=startup.selected_backend())
 
 
-def _connect(parser, spec, replicas):
+def _connect(spec, replicas):
     """Joins the other workers (bounded by --connect-timeout) before anything else runs."""
     if spec.num_workers == 1:
         return
     from kdist import engines
 
-    try:
-        with cluster.connect_deadline(spec):
-            engines.connect(spec, replicas)
-    except startup.UsageError as e:
-        parser.error(str(e))
+    with cluster.connect_deadline(spec):
+        engines.connect(spec, replicas)
 
 
 def load_data(args):
@@ -190,19 +213,10 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 _DEFAULT_SHOWWARNING = warnings.showwarning
 
 
-def _fail(message):
-    print(f"error: {message}", file=sys.stderr)
-    return 1
-
-
-def _start(parser, args, replicas=None):
+def _start(args, replicas=None):
     """Sets devices, log levels and warning lines, then imports the frameworks (quietly)."""
     warnings.showwarning = _show_warning
-    try:
-        startup.prepare_environment(replicas, args.verbose)
-    except startup.UsageError as e:
-        parser.error(str(e))
-
+    startup.prepare_environment(replicas, args.verbose)
     with startup.native_logs_silenced(not args.verbose):
         importlib.import_module("keras")  # Loads the backend now, notices hidden.
         if importlib.util.find_spec("tensorflow"):
@@ -210,53 +224,35 @@ def _start(parser, args, replicas=None):
             importlib.import_module("tensorflow")
 
 
-def _check_paths(parser, args):
+def _check_paths(args):
     """Checks the output files and the data folder before the frameworks load."""
-    try:
-        checks.check_metrics_file(args.metrics_file)
-        if args.data_dir is not None and not args.synthetic:
-            from kdist import data
+    checks.check_metrics_file(args.metrics_file)
+    if args.data_dir is not None and not args.synthetic:
+        from kdist import data
 
-            data.check_data_dir(args.data_dir)
-    except startup.UsageError as e:
-        parser.error(str(e))
+        data.check_data_dir(args.data_dir)
 
 
 @_quiet_signals("stopped while starting; nothing was trained")
 def main(argv=None):
     launch.follow_launcher()
-    parser = train_parser()
-    args = parser.parse_args(argv)
-    spec = _cluster_spec(parser, args)
-    _check_paths(parser, args)
-    _start(parser, args, args.replicas)
-    _connect(parser, spec, args.replicas)
-    config = kdist.TrainConfig(
-        epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
-        learning_rate=args.learning_rate, replicas=args.replicas,
-        checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-        keep=args.keep, resume=args.resume, seed=args.seed,
-        steps_per_epoch=args.steps_per_epoch, metrics_file=args.metrics_file,
-        steps_per_execution=args.steps_per_execution,
-        progress=sys.stdout.isatty() and not args.quiet and spec.is_chief,
-        break_lock=args.break_lock)
+    return _run(train_parser(), argv, _train)
+
+
+def _train(args):
+    spec = _cluster_spec(args)
+    _check_paths(args)
+    _start(args, args.replicas)
+    _connect(spec, args.replicas)
+    run_config = config_from_args(
+        args, progress=sys.stdout.isatty() and not args.quiet and spec.is_chief)
     stop = kdist.StopRequest()
-    try:
-        # From here a signal is a stop request that every worker agrees on: a
-        # worker that exited alone would leave the others waiting in a step.
-        with kdist.stop_on_signals(stop):
-            dataset = load_data(args)
-            kdist.train_and_evaluate(config, dataset, log=_log, stop=stop,
-                                     optimizer_fn=kdist.OPTIMIZERS[args.optimizer])
-    except kdist.Interrupted as e:
-        print(f"interrupted: {e}", file=sys.stderr)
-        # A worker stopped by another's signal exits as if terminated.
-        return 128 + getattr(signal, e.signal_name or "SIGTERM")
-    except kdist.UsageError as e:
-        parser.error(str(e))
-    except (kdist.DataError, kdist.CheckpointError, kdist.TrainingError,
-            kdist.MetricsError) as e:
-        return _fail(e)
+    # From here a signal is a stop request that every worker agrees on: a
+    # worker that exited alone would leave the others waiting in a step.
+    with kdist.stop_on_signals(stop):
+        dataset = load_data(args)
+        kdist.train_and_evaluate(run_config, dataset, log=_log, stop=stop,
+                                 optimizer_fn=config.OPTIMIZERS[args.optimizer])
     return 0
 
 
@@ -268,16 +264,16 @@ def evaluate_main(argv=None):
                     "with no distribution, on the backend chosen by KERAS_BACKEND, and "
                     "print its test accuracy.")
     _add_common(parser)
-    args = parser.parse_args(argv)
-    _start(parser, args)
-    try:
-        path = kdist.latest_checkpoint(args.checkpoint_dir)
-        if path is None:
-            return _fail(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
-                         "train first or pass --checkpoint-dir")
-        result = kdist.evaluate_checkpoint(path, load_data(args))
-    except (kdist.DataError, kdist.CheckpointError) as e:
-        return _fail(e)
+    return _run(parser, argv, _evaluate)
+
+
+def _evaluate(args):
+    _start(args)
+    path = kdist.latest_checkpoint(args.checkpoint_dir)
+    if path is None:
+        raise errors.CheckpointError(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
+                                     "train first or pass --checkpoint-dir")
+    result = kdist.evaluate_checkpoint(path, load_data(args))
     print(f"{path}: test loss {result['test_loss']:.4f}, "
           f"test accuracy {result['test_accuracy']:.2f}%")
     return 0
@@ -290,22 +286,21 @@ def bench_main(argv=None):
         description="Measure kdist's training loop against Keras fit on the backend chosen "
                     "by KERAS_BACKEND: same model, data, batch and devices, one process. "
                     "Prints a table, then one JSON line.")
-    _add_batching(parser)
+    add_config_flags(parser, ["batch_size_per_replica", "replicas", "steps_per_execution"])
     parser.add_argument("--steps", type=_positive(int), default=None,
                         help="steps per timed epoch (default: a whole epoch)")
-    parser.add_argument("--windows", type=_positive(int), default=4,
+    parser.add_argument("--windows", type=_positive(int), default=config.BENCH_WINDOWS,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
     _add_common(parser, checkpoints=False)
-    args = parser.parse_args(argv)
-    _start(parser, args, args.replicas)
+    # Keras' fit raises ValueError for inputs it cannot take; one line, as before.
+    return _run(parser, argv, _bench, failures=(ValueError,))
+
+
+def _bench(args):
+    _start(args, args.replicas)
     from kdist import bench
 
-    try:
-        bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
-                  args.windows, args.steps_per_execution, log=_log)
-    except kdist.UsageError as e:
-        parser.error(str(e))
-    except (kdist.DataError, ValueError) as e:
-        return _fail(e)
+    bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
+              args.windows, args.steps_per_execution, log=_log)
     return 0

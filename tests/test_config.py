@@ -1,0 +1,115 @@
+"""One source for settings and errors: flags from TrainConfig, one error base, one exit table."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kdist
+from conftest import REPO
+from kdist import checkpoints, ckptfile, cli, config, data, engines, errors, reporting, runlock
+from kdist import startup, training
+
+
+def test_every_train_config_field_is_a_flag_with_the_same_default():
+    args = cli.train_parser().parse_args([])
+    for field in dataclasses.fields(kdist.TrainConfig):
+        if field.name == "progress":  # Derived from --quiet and the terminal.
+            assert field not in config.flag_fields()
+            continue
+        assert getattr(args, field.name) == field.default, field.name
+    assert cli.config_from_args(args, progress=False) == kdist.TrainConfig()
+
+
+def test_every_flag_field_has_help_and_shows_in_the_help(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    for field in config.flag_fields():
+        assert field.metadata["help"] and config.flag_name(field) in text
+
+
+def test_flags_parse_into_the_config():
+    args = cli.train_parser().parse_args(
+        ["--epochs", "3", "--no-resume", "--break-lock", "--seed", "0", "--learning-rate", "0.5"])
+    cfg = cli.config_from_args(args, progress=True)
+    assert (cfg.epochs, cfg.resume, cfg.break_lock, cfg.learning_rate, cfg.progress) == \
+        (3, False, True, 0.5, True)
+
+
+def test_optimizer_choices_and_other_defaults_come_from_one_place():
+    action = next(a for a in cli.train_parser()._actions if a.dest == "optimizer")
+    assert tuple(action.choices) == tuple(kdist.OPTIMIZERS) and action.default == "adam"
+    assert training.OPTIMIZERS is kdist.OPTIMIZERS and training.adam is kdist.OPTIMIZERS["adam"]
+    batch, spe = kdist.TrainConfig.batch_size_per_replica, kdist.TrainConfig.steps_per_execution
+    assert training.evaluate_checkpoint.__defaults__[-2:] == (batch, spe)
+    from kdist import bench
+
+    assert bench.run.__defaults__[1:] == (batch, None, config.BENCH_WINDOWS, spe, print)
+
+
+def test_one_backend_registry_and_message(monkeypatch):
+    assert engines.BACKENDS is startup.BACKENDS
+    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    with pytest.raises(errors.UsageError,
+                       match="^KERAS_BACKEND=torch is not supported; set it to one of: "
+                             "tensorflow, jax$"):
+        startup.check_backend("torch")
+
+
+ERRORS = [errors.UsageError, errors.DataError, errors.CheckpointError,
+          errors.InvalidCheckpoint, errors.LockHeld, errors.MetricsError,
+          errors.TrainingError, errors.Interrupted]
+
+
+def test_every_kdist_error_is_a_kdist_error_and_keeps_its_names():
+    for cls in ERRORS + [errors.NonFiniteWeights]:
+        assert issubclass(cls, kdist.KdistError) and getattr(kdist, cls.__name__, cls) is cls
+    assert issubclass(errors.UsageError, ValueError)  # `except ValueError` still catches it.
+    same = [(startup.UsageError, data.UsageError, engines.UsageError, kdist.UsageError),
+            (data.DataError, kdist.DataError), (checkpoints.CheckpointError, kdist.CheckpointError),
+            (ckptfile.InvalidCheckpoint, kdist.InvalidCheckpoint),
+            (ckptfile.NonFiniteWeights, errors.NonFiniteWeights),
+            (runlock.LockHeld, kdist.LockHeld), (reporting.MetricsError, kdist.MetricsError),
+            (training.TrainingError, kdist.TrainingError), (training.Interrupted,
+                                                             kdist.Interrupted)]
+    for names in same:
+        assert len(set(names)) == 1, names
+
+
+@pytest.mark.parametrize("main, body", [(cli.main, "_train"), (cli.evaluate_main, "_evaluate"),
+                                        (cli.bench_main, "_bench")])
+@pytest.mark.parametrize("error, status, line", [
+    (errors.UsageError("bad setting"), 2, ": error: bad setting"),
+    (errors.Interrupted("SIGINT: stopped", "SIGINT"), 130, "interrupted: SIGINT: stopped"),
+    (errors.Interrupted("another worker stopped"), 143, "interrupted: another worker stopped"),
+    (errors.DataError("bad data"), 1, "error: bad data"),
+    (errors.CheckpointError("bad checkpoint"), 1, "error: bad checkpoint"),
+    (errors.LockHeld("held"), 1, "error: held"),
+    (errors.MetricsError("disk full"), 1, "error: disk full"),
+    (errors.TrainingError("nan"), 1, "error: nan"),
+])
+def test_each_main_maps_each_error_to_its_exit_status(main, body, error, status, line,
+                                                      monkeypatch, capsys):
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(cli, body, fail)
+    try:
+        code = main(["--synthetic"])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == status
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].endswith(line) if status == 2 else err == [line]
+
+
+def test_the_config_errors_and_cli_modules_load_no_framework():
+    code = ("import sys, kdist, kdist.cli, kdist.config, kdist.errors; kdist.TrainConfig(); "
+            "kdist.KdistError; kdist.cli.train_parser(); "
+            "print(sorted(m for m in ('keras', 'tensorflow', 'jax', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, env=dict(os.environ), check=True).stdout
+    assert out.strip() == "[]"
