@@ -139,7 +139,7 @@ def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
     A compiled call runs at most as many steps as there are batches.
     """
     chunk = min(steps_per_execution, data.eval_steps(len(images), global_batch_size))
-    totals, _ = run_steps(engine, engine.eval_step,
+    totals, _ = run_steps(engine, engine.eval_chunk,
                           data.eval_batches(images, labels, global_batch_size,
                                             shard=engine.shard),
                           steps_per_execution=chunk)
@@ -248,7 +248,7 @@ class _Run:
                                           config.learning_rate)
             data.check_labels(dataset, self.model.output_shape[-1])
             self.position, self.note = _resume_position(config, self.manager, self.model)
-            self.engine.prepare(self.model, optimizer, self.global_batch, loss_fn)
+            self.engine.compile_steps(self.model, optimizer, self.global_batch, loss_fn)
         except BaseException:
             self.manager.release()
             raise
@@ -264,7 +264,7 @@ class _Run:
             seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step,
             shard=self.engine.shard)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
-        totals, done = run_steps(self.engine, self.engine.train_step, batches, totals,
+        totals, done = run_steps(self.engine, self.engine.train_chunk, batches, totals,
                                  on_step, stop.poll, self.train_chunk)
         if stop and first_step + done < self.steps:
             path = self.save(epoch, first_step + done, totals, self.position["history"])
@@ -349,7 +349,7 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model,
     model, _ = build(engine, model_fn, None, None)
     checkpoints.restore(model, path)
     data.check_labels(dataset, model.output_shape[-1], splits=("test",))
-    engine.prepare(model, None, batch_size, loss_fn)
+    engine.compile_steps(model, None, batch_size, loss_fn)
     test_loss, test_accuracy = evaluate(
         engine, dataset.test_images, dataset.test_labels, batch_size, steps_per_execution)
     return dict(restored=True, checkpoint=path, test_loss=test_loss,
