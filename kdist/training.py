@@ -15,7 +15,7 @@ import time
 import keras
 import numpy as np
 
-from kdist import checkpoints, checks, data, engines, interrupt, losses, reporting
+from kdist import checkpoints, checks, data, engines, interrupt, losses, records, reporting
 from kdist.model import create_model
 from kdist.startup import UsageError
 
@@ -199,20 +199,22 @@ def _train(run, log, stop):
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
                          run.train_chunk))
     metrics = reporting.MetricsWriter(config.metrics_file if chief else None)
-    history = run.position["history"]
-    metrics.start(history)  # Each epoch once, even after a crash and a resume.
-    for epoch in range(run.position["epoch"], config.epochs):
-        record = run.train_epoch(epoch, stop)
-        history.append(record)
-        log(reporting.format_epoch(record, config.epochs))
-        stopping = stop.poll()  # A signal may have come during the evaluation.
-        if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stopping:
-            log(f"Saved checkpoint {run.save(epoch + 1, 0, None, history)}")
-        metrics.epoch(record)
-        if stopping:
-            raise Interrupted(f"{stop.reason()}: stopped after epoch {epoch + 1}; run the "
-                              "same command to resume", stop.signal_name)
+    position = run.position
+    metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
+    while position.epoch < config.epochs:
+        position, record = run.train_epoch(position, stop)
+        if record is not None:  # The epoch's steps are done and it is evaluated.
+            log(reporting.format_epoch(record, config.epochs))
+            stop.poll()  # A signal may have come during the evaluation.
+        if stop or _checkpoint_due(config, position):
+            path = run.save(position)
+            log(f"Saved checkpoint {path}")
+        if record is not None:
+            metrics.epoch(record)  # After its checkpoint: a failed write loses none.
+        if stop:
+            raise _interrupted(stop, position, path)
 
+    history = [record.as_dict() for record in position.history]
     if not chief:  # The chief's checkpoint may not be visible here yet.
         return {"history": history, "restored": None}
     latest = run.manager.latest()
@@ -224,8 +226,22 @@ def _train(run, log, stop):
     return {"history": history, "restored": restored}
 
 
+def _checkpoint_due(config, position):
+    """After every `checkpoint_every`-th epoch and after the last (a stop always saves)."""
+    return position.step_in_epoch == 0 and (position.epoch % config.checkpoint_every == 0
+                                            or position.epoch == config.epochs)
+
+
+def _interrupted(stop, position, path):
+    where = (f"stopped at epoch {position.epoch + 1}, step {position.step_in_epoch}; "
+             f"saved {path}" if position.step_in_epoch else
+             f"stopped after epoch {position.epoch}")
+    return Interrupted(f"{stop.reason()}: {where}; run the same command to resume",
+                       stop.signal_name)
+
+
 class _Run:
-    """One training run's engine, model, checkpoints and position."""
+    """One training run's engine, model, checkpoints and starting position."""
 
     def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn):
         self.config, self.dataset = config, dataset
@@ -253,43 +269,42 @@ class _Run:
             self.manager.release()
             raise
 
-    def train_epoch(self, epoch, stop):
-        """Trains one epoch (or its rest, when resuming) and evaluates; returns its record."""
-        resuming = epoch == self.position["epoch"]
-        first_step = self.position["step_in_epoch"] if resuming else 0
-        totals = self.position["totals"] if resuming else None
+    def train_epoch(self, position, stop):
+        """Trains from `position` to the end of its epoch, then evaluates.
+
+        Stops early after the step at which every worker agrees to stop.
+        Returns (the position reached, the epoch's `EpochRecord`, or None if
+        it stopped before the epoch's end).
+        """
+        epoch, first_step = position.epoch, position.step_in_epoch
         start = time.perf_counter()
         batches = data.train_batches(
             self.dataset.train_images, self.dataset.train_labels, self.global_batch,
             seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step,
             shard=self.engine.shard)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
-        totals, done = run_steps(self.engine, self.engine.train_chunk, batches, totals,
-                                 on_step, stop.poll, self.train_chunk)
-        if stop and first_step + done < self.steps:
-            path = self.save(epoch, first_step + done, totals, self.position["history"])
-            raise Interrupted(f"{stop.reason()}: stopped at epoch {epoch + 1}, step "
-                              f"{first_step + done}; saved {path}; run the same command "
-                              "to resume", stop.signal_name)
-        seconds = time.perf_counter() - start
+        totals, done = run_steps(self.engine, self.engine.train_chunk, batches,
+                                 position.totals, on_step, stop.poll, self.train_chunk)
+        if first_step + done < self.steps:
+            return dataclasses.replace(position, step_in_epoch=first_step + done,
+                                       totals=totals), None
+        seconds = time.perf_counter() - start if done else None  # None: all trained before.
         train_loss, train_accuracy = summarize(totals)
         test_loss, test_accuracy = evaluate(
             self.engine, self.dataset.test_images, self.dataset.test_labels,
             self.global_batch, self.config.steps_per_execution)
-        if not done:  # Resumed past this epoch's last step (its steps per epoch shrank).
-            seconds = None
-        return dict(epoch=epoch + 1, train_loss=train_loss, train_accuracy=train_accuracy,
-                    test_loss=test_loss, test_accuracy=test_accuracy, seconds=seconds,
-                    samples_per_sec=done * self.global_batch / seconds if done else None)
+        record = records.EpochRecord(
+            epoch + 1, train_loss, train_accuracy, test_loss, test_accuracy, seconds,
+            done * self.global_batch / seconds if done else None)
+        return records.Position(epoch + 1, 0, None, position.history + (record,)), record
 
-    def save(self, epoch, step_in_epoch, totals, history):
-        """Checkpoints the position `step_in_epoch` steps into epoch `epoch` (0-based)."""
+    def save(self, position):
+        """Checkpoints `position`; only the chief's copy is kept."""
         self.engine.sync_to_model()
         manager = self.manager if self.engine.is_chief else checkpoints.DiscardingManager()
         return manager.save(
-            self.model, step=epoch * self.steps + step_in_epoch, metadata=dict(
-                epoch=epoch, step_in_epoch=step_in_epoch, totals=totals, history=history,
-                seed=self.config.seed, backend=self.engine.backend,
+            self.model, step=position.global_step(self.steps), metadata=dict(
+                position.as_metadata(), seed=self.config.seed, backend=self.engine.backend,
                 replicas=self.engine.num_replicas, global_batch_size=self.global_batch,
                 steps_per_epoch=self.steps))
 
@@ -301,22 +316,21 @@ def _quiet(line):
 def _resume_position(config, manager, model):
     """Restores the newest checkpoint unless told not to.
 
-    Returns (where to start, a note for the banner).
+    Returns (the `Position` to start from, a note for the banner).
     """
-    start = dict(epoch=0, step_in_epoch=0, totals=None, history=[])
     if not config.resume and manager.paths():
-        return start, ("starting over (--no-resume): this run's first checkpoint "
-                       "replaces the ones there")
+        return records.Position(), ("starting over (--no-resume): this run's first "
+                                    "checkpoint replaces the ones there")
     latest = manager.latest() if config.resume else None
     if latest is None:
-        return start, "starting fresh"
+        return records.Position(), "starting fresh"
     path, meta = latest
     checkpoints.restore(model, path, meta)
     if model.optimizer is not None:
         model.optimizer.learning_rate.assign(config.learning_rate)
     where = (f"epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}"
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
-    return {key: meta[key] for key in start}, (
+    return records.Position.from_metadata(meta), (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
         f"with {meta['replicas']} replica(s))")
 
