@@ -16,6 +16,7 @@ import time
 import keras
 
 from kdist import data, engines, losses, training
+from kdist.steps import evaluate, run_steps
 from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.model import create_model
 
@@ -34,16 +35,16 @@ def summarize_epochs(seconds, samples_per_epoch):
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution):
     keras.utils.set_random_seed(0)
     model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
-    engine.prepare(model, optimizer, global_batch, losses.sparse_categorical_crossentropy)
+    engine.compile_steps(model, optimizer, global_batch, losses.sparse_categorical_crossentropy)
     seconds = []
     for epoch in range(1 + windows):
         start = time.perf_counter()
         batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
                                      seed=0, epoch=epoch, steps=steps)
-        training.run_steps(engine, engine.train_step, batches,  # Ends with host values.
+        run_steps(engine, engine.train_chunk, batches,  # Ends with host values.
                            steps_per_execution=steps_per_execution)
         seconds.append(time.perf_counter() - start)
-    evaluate_seconds = _time_twice(lambda: training.evaluate(
+    evaluate_seconds = _time_twice(lambda: evaluate(
         engine, dataset.test_images, dataset.test_labels, global_batch, steps_per_execution))
     return dict(summarize_epochs(seconds, steps * global_batch),
                 eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())

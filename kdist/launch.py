@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from kdist import startup
+from kdist import memory
 
 TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                      "scripts", "train.py")
@@ -234,7 +234,7 @@ def follow_launcher(environ=os.environ):
     process follows a launcher.
     """
     launcher = environ.get(LAUNCHER_VARIABLE)
-    prctl = startup.libc_function("prctl")
+    prctl = memory.libc_function("prctl")
     if not launcher or prctl is None:
         return False
     prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)

@@ -10,9 +10,8 @@ import keras
 import kdist
 from kdist import checks
 from kdist.errors import MetricsError
+from kdist.records import EPOCH_KEYS
 
-EPOCH_KEYS = ("epoch", "train_loss", "train_accuracy", "test_loss", "test_accuracy",
-              "seconds", "samples_per_sec")
 
 
 def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=None):
@@ -42,16 +41,16 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
 
 
 def format_epoch(record, epochs):
-    """The tutorial's epoch line, with accuracies in percent and the epoch's speed.
+    """The tutorial's epoch line for an `EpochRecord`, with its speed.
 
     An epoch with no steps left to train when it resumed has no speed (its
     `seconds` is None).
     """
-    speed = ("trained before the resume" if record["seconds"] is None else
-             f"{record['seconds']:.1f} s, {record['samples_per_sec']:,.0f} samples/s")
-    return (f"Epoch {record['epoch']}/{epochs}, Loss: {record['train_loss']:.4f}, "
-            f"Accuracy: {record['train_accuracy']:.2f}%, Test Loss: {record['test_loss']:.4f}, "
-            f"Test Accuracy: {record['test_accuracy']:.2f}% ({speed})")
+    speed = ("trained before the resume" if record.seconds is None else
+             f"{record.seconds:.1f} s, {record.samples_per_sec:,.0f} samples/s")
+    return (f"Epoch {record.epoch}/{epochs}, Loss: {record.train_loss:.4f}, "
+            f"Accuracy: {record.train_accuracy:.2f}%, Test Loss: {record.test_loss:.4f}, "
+            f"Test Accuracy: {record.test_accuracy:.2f}% ({speed})")
 
 
 class MetricsWriter:
@@ -73,20 +72,20 @@ class MetricsWriter:
         self.csv_path = checks.metrics_csv_path(path) if path else None
 
     def start(self, history):
-        """Replaces both files with `history`, the records of the epochs done so far."""
+        """Replaces both files with `history`, the `EpochRecord`s of the epochs done so far."""
         if self.path:
-            self._replace(self.path, "".join(_json_line(r) for r in history))
+            self._replace(self.path, "".join(_json_line(r.as_dict()) for r in history))
             self._replace(self.csv_path, "".join(self._csv_line(r) for r in
                                                  [None] + list(history)))
 
     def epoch(self, record):
-        """Appends an epoch's record to both files."""
+        """Appends an `EpochRecord` to both files."""
         if self.path:
-            self._append(self.path, _json_line(record))
+            self._append(self.path, _json_line(record.as_dict()))
             self._append(self.csv_path, self._csv_line(record))
 
     def restored(self, record):
-        """Appends `record` to the JSON lines file only."""
+        """Appends `record`, the restored model's dict, to the JSON lines file only."""
         if self.path:
             self._append(self.path, _json_line(record))
 
@@ -94,8 +93,8 @@ class MetricsWriter:
         """The CSV row of `record`; the header row for None."""
         buffer = io.StringIO()
         csv.writer(buffer).writerow(self.CSV_COLUMNS if record is None else
-                                    [record["epoch"] - 1] +
-                                    [record[k] for k in self.CSV_COLUMNS[1:]])
+                                    [record.epoch - 1] +
+                                    [getattr(record, k) for k in self.CSV_COLUMNS[1:]])
         return buffer.getvalue()
 
     def _append(self, path, text):

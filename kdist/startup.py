@@ -7,12 +7,12 @@ precede its first op. So `prepare_environment` runs first thing.
 """
 
 import contextlib
-import ctypes
 import json
 import os
 import re
 import sys
 
+from kdist import memory
 from kdist.errors import UsageError
 
 BACKENDS = ("tensorflow", "jax")  # The Keras backends kdist has an engine for.
@@ -63,7 +63,20 @@ def check_backend(backend):
 
 
 def prepare_environment(replicas=None, verbose=False):
-    """Sets the environment for `replicas` CPU devices and quiet start-up logs.
+    """Sets up this process for a kdist run; call it before Keras loads.
+
+    The library works without it; `scripts/train.py` calls it first. Each
+    effect, and how to turn it off:
+
+    - JAX with `replicas` > 1: `XLA_FLAGS` asks for `replicas` CPU devices
+      (`--xla_force_host_platform_device_count`; none when `replicas` is None).
+    - Unless `verbose`: `TF_CPP_MIN_LOG_LEVEL=2` and `GRPC_VERBOSITY=ERROR`,
+      only where they are unset (set them yourself to keep yours).
+    - glibc keeps freed blocks of up to 64 MiB for reuse
+      (`kdist.memory.keep_freed_memory`; `KDIST_KEEP_FREED_MEMORY=0` turns it off).
+    - JAX: after each long compile, the compiler's freed memory goes back to
+      the kernel (`kdist.memory.release_after_long_compiles`, a
+      `jax.monitoring` listener; `KDIST_RELEASE_COMPILER_MEMORY=0` turns it off).
 
     Raises UsageError for an unsupported backend (see `selected_backend`).
     """
@@ -73,66 +86,9 @@ def prepare_environment(replicas=None, verbose=False):
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if backend == "jax" and replicas is not None and replicas > 1:
         set_host_device_count(replicas)
-    keep_freed_memory()
-
-
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt, <malloc.h>.
-KEPT_BLOCK_BYTES = 64 << 20
-
-
-def keep_freed_memory():
-    """Makes glibc's malloc keep freed blocks of up to 64 MiB for reuse.
-
-    Every compiled call of XLA (JAX) allocates its scratch memory anew: 34-39
-    MiB per device for this CNN. glibc serves blocks over its mmap threshold
-    (32 MiB at most, by default) with fresh mappings and returns a freed heap
-    top over its trim threshold, so each call faulted its scratch in again:
-    about 8,700 page faults and 11 ms per call on this project's 2-core
-    machine, more than the 7 ms the train step itself takes. With both
-    thresholds at 64 MiB such blocks stay in the heap; bigger ones (a data
-    set) still get their own mapping and go back to the kernel when freed.
-
-    With several devices each runs on its own thread, whose per-thread arena
-    grows in heaps of at most 64 MiB: a scratch block that does not fit the
-    current heap gets a new one, which glibc unmaps as soon as it is empty,
-    whatever the trim threshold: 8,000-19,000 page faults per call in 11 of
-    16 runs on 2 JAX devices, 10-30% of the step time. A 64 MiB top pad
-    keeps such a heap.
-
-    Returns whether it took effect: on a C library without `mallopt` (macOS,
-    musl) nothing changes. `KDIST_KEEP_FREED_MEMORY=0` keeps the C library's
-    defaults.
-    """
-    mallopt = libc_function("mallopt")
-    if os.environ.get("KDIST_KEEP_FREED_MEMORY") == "0" or mallopt is None:
-        return False
-    return all([mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
-                mallopt(_M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
-                mallopt(_M_TOP_PAD, KEPT_BLOCK_BYTES) == 1])
-
-
-def release_freed_memory():
-    """Hands the free pages of glibc's heaps back to the kernel (`malloc_trim`).
-
-    Compiling a JAX train chunk leaves about 200 MB freed but resident in
-    the compiler thread's heap, where the devices' threads never reuse it;
-    released before the program first runs, the peak RSS of a 2-device run
-    fell from 777 to 623 MB. Returns whether it ran (glibc only).
-    """
-    malloc_trim = libc_function("malloc_trim")
-    if malloc_trim is None:
-        return False
-    malloc_trim(0)
-    return True
-
-
-def libc_function(name):
-    """The C library's function `name`, or None where it has none (`mallopt` on
-    macOS or musl, `prctl` outside Linux)."""
-    try:
-        return getattr(ctypes.CDLL(None), name)
-    except (OSError, AttributeError):
-        return None
+    memory.keep_freed_memory()
+    if backend == "jax":
+        memory.release_after_long_compiles()
 
 
 def set_host_device_count(count):

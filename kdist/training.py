@@ -6,19 +6,18 @@ checkpoint restored into a fresh model with no distribution and evaluated.
 The engine (`kdist.engines`) is the only backend-specific piece.
 """
 
-import itertools
+import dataclasses
 import math
 import os
 import time
 
 import keras
-import numpy as np
 
-from kdist import checkpoints, checks, data, engines, interrupt, losses, reporting
+from kdist import (checkpoints, checks, data, engines, interrupt, losses, records, reporting,
+                   steps)
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
-from kdist.errors import Interrupted, TrainingError
+from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.model import create_model
-from kdist.startup import UsageError
 
 
 def build(engine, model_fn, optimizer_fn, learning_rate):
@@ -36,76 +35,6 @@ def build(engine, model_fn, optimizer_fn, learning_rate):
             optimizer.build(model.trainable_variables)
             model.compile(optimizer=optimizer)
     return model, optimizer
-
-
-def summarize(totals):
-    """Mean loss and accuracy (percent) from summed batch statistics."""
-    count = totals["count"]
-    return totals["loss_sum"] / count, 100.0 * totals["correct"] / count
-
-
-def zero_totals():
-    return dict(loss_sum=0.0, correct=0.0, count=0.0)
-
-
-def run_steps(engine, step_fn, batches, totals=None, on_step=None, should_stop=None,
-              steps_per_execution=1):
-    """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
-
-    Batches go to the engine in chunks of `steps_per_execution`, one compiled
-    call each (a short last chunk is padded with zero-weight batches that the
-    engine skips, so every call has the same shapes); statistics come back
-    once per chunk and are then accounted step by step (`on_step(steps done,
-    step stats, totals)`). After each chunk `should_stop()` is called, on
-    every worker at the same point; when it returns true, no further chunk
-    runs. Returns (totals, steps run).
-    """
-    totals = zero_totals() if totals is None else dict(totals)
-    done = 0
-    for chunk in _chunks(batches, steps_per_execution):
-        for batch in chunk:  # This worker's part of a global batch, over its replicas.
-            if len(batch[0]) % engine.num_local_replicas:
-                raise UsageError(f"a batch of {len(batch[0])} does not split evenly across "
-                                 f"{engine.num_local_replicas} replicas; use a global batch "
-                                 f"size that is a multiple of {engine.num_replicas}")
-        padding = (chunk[-1][0], chunk[-1][1], np.zeros_like(chunk[-1][2]))
-        padded = stack_chunk(chunk + [padding] * (steps_per_execution - len(chunk)))
-        per_step = {k: np.asarray(v) for k, v in
-                    step_fn(engine.distribute(padded), len(chunk)).items()}
-        for i in range(len(chunk)):
-            stats = {k: float(v[i]) for k, v in per_step.items()}
-            for key in totals:
-                totals[key] += stats[key]
-            done += 1
-            if on_step is not None:
-                on_step(done, stats, totals)
-        if should_stop is not None and should_stop():
-            break
-    return totals, done
-
-
-def stack_chunk(batches):
-    """K numpy batches of (x, y, weights) -> (x, y, weights) of shape (K, batch, ...)."""
-    return tuple(np.stack(parts) for parts in zip(*batches))
-
-
-def _chunks(iterable, size):
-    iterator = iter(iterable)
-    while chunk := list(itertools.islice(iterator, size)):
-        yield chunk
-
-
-def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
-    """(loss, accuracy %) over every example of (images, labels).
-
-    A compiled call runs at most as many steps as there are batches.
-    """
-    chunk = min(steps_per_execution, data.eval_steps(len(images), global_batch_size))
-    totals, _ = run_steps(engine, engine.eval_step,
-                          data.eval_batches(images, labels, global_batch_size,
-                                            shard=engine.shard),
-                          steps_per_execution=chunk)
-    return summarize(totals)
 
 
 def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam,
@@ -149,20 +78,22 @@ def _train(run, log, stop):
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
                          run.train_chunk))
     metrics = reporting.MetricsWriter(config.metrics_file if chief else None)
-    history = run.position["history"]
-    metrics.start(history)  # Each epoch once, even after a crash and a resume.
-    for epoch in range(run.position["epoch"], config.epochs):
-        record = run.train_epoch(epoch, stop)
-        history.append(record)
-        log(reporting.format_epoch(record, config.epochs))
-        stopping = stop.poll()  # A signal may have come during the evaluation.
-        if (epoch + 1) % config.checkpoint_every == 0 or epoch + 1 == config.epochs or stopping:
-            log(f"Saved checkpoint {run.save(epoch + 1, 0, None, history)}")
-        metrics.epoch(record)
-        if stopping:
-            raise Interrupted(f"{stop.reason()}: stopped after epoch {epoch + 1}; run the "
-                              "same command to resume", stop.signal_name)
+    position = run.position
+    metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
+    while position.epoch < config.epochs:
+        position, record = run.train_epoch(position, stop)
+        if record is not None:  # The epoch's steps are done and it is evaluated.
+            log(reporting.format_epoch(record, config.epochs))
+            stop.poll()  # A signal may have come during the evaluation.
+        if stop or _checkpoint_due(config, position):
+            path = run.save(position)
+            log(f"Saved checkpoint {path}")
+        if record is not None:
+            metrics.epoch(record)  # After its checkpoint: a failed write loses none.
+        if stop:
+            raise _interrupted(stop, position, path)
 
+    history = [record.as_dict() for record in position.history]
     if not chief:  # The chief's checkpoint may not be visible here yet.
         return {"history": history, "restored": None}
     latest = run.manager.latest()
@@ -174,8 +105,22 @@ def _train(run, log, stop):
     return {"history": history, "restored": restored}
 
 
+def _checkpoint_due(config, position):
+    """After every `checkpoint_every`-th epoch and after the last (a stop always saves)."""
+    return position.step_in_epoch == 0 and (position.epoch % config.checkpoint_every == 0
+                                            or position.epoch == config.epochs)
+
+
+def _interrupted(stop, position, path):
+    where = (f"stopped at epoch {position.epoch + 1}, step {position.step_in_epoch}; "
+             f"saved {path}" if position.step_in_epoch else
+             f"stopped after epoch {position.epoch}")
+    return Interrupted(f"{stop.reason()}: {where}; run the same command to resume",
+                       stop.signal_name)
+
+
 class _Run:
-    """One training run's engine, model, checkpoints and position."""
+    """One training run's engine, model, checkpoints and starting position."""
 
     def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn):
         self.config, self.dataset = config, dataset
@@ -198,48 +143,47 @@ class _Run:
                                           config.learning_rate)
             data.check_labels(dataset, self.model.output_shape[-1])
             self.position, self.note = _resume_position(config, self.manager, self.model)
-            self.engine.prepare(self.model, optimizer, self.global_batch, loss_fn)
+            self.engine.compile_steps(self.model, optimizer, self.global_batch, loss_fn)
         except BaseException:
             self.manager.release()
             raise
 
-    def train_epoch(self, epoch, stop):
-        """Trains one epoch (or its rest, when resuming) and evaluates; returns its record."""
-        resuming = epoch == self.position["epoch"]
-        first_step = self.position["step_in_epoch"] if resuming else 0
-        totals = self.position["totals"] if resuming else None
+    def train_epoch(self, position, stop):
+        """Trains from `position` to the end of its epoch, then evaluates.
+
+        Stops early after the step at which every worker agrees to stop.
+        Returns (the position reached, the epoch's `EpochRecord`, or None if
+        it stopped before the epoch's end).
+        """
+        epoch, first_step = position.epoch, position.step_in_epoch
         start = time.perf_counter()
         batches = data.train_batches(
             self.dataset.train_images, self.dataset.train_labels, self.global_batch,
             seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step,
             shard=self.engine.shard)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
-        totals, done = run_steps(self.engine, self.engine.train_step, batches, totals,
-                                 on_step, stop.poll, self.train_chunk)
-        if stop and first_step + done < self.steps:
-            path = self.save(epoch, first_step + done, totals, self.position["history"])
-            raise Interrupted(f"{stop.reason()}: stopped at epoch {epoch + 1}, step "
-                              f"{first_step + done}; saved {path}; run the same command "
-                              "to resume", stop.signal_name)
-        seconds = time.perf_counter() - start
-        train_loss, train_accuracy = summarize(totals)
-        test_loss, test_accuracy = evaluate(
+        totals, done = steps.run_steps(self.engine, self.engine.train_chunk, batches,
+                                 position.totals, on_step, stop.poll, self.train_chunk)
+        if first_step + done < self.steps:
+            return dataclasses.replace(position, step_in_epoch=first_step + done,
+                                       totals=totals), None
+        seconds = time.perf_counter() - start if done else None  # None: all trained before.
+        train_loss, train_accuracy = steps.summarize(totals)
+        test_loss, test_accuracy = steps.evaluate(
             self.engine, self.dataset.test_images, self.dataset.test_labels,
             self.global_batch, self.config.steps_per_execution)
-        if not done:  # Resumed past this epoch's last step (its steps per epoch shrank).
-            seconds = None
-        return dict(epoch=epoch + 1, train_loss=train_loss, train_accuracy=train_accuracy,
-                    test_loss=test_loss, test_accuracy=test_accuracy, seconds=seconds,
-                    samples_per_sec=done * self.global_batch / seconds if done else None)
+        record = records.EpochRecord(
+            epoch + 1, train_loss, train_accuracy, test_loss, test_accuracy, seconds,
+            done * self.global_batch / seconds if done else None)
+        return records.Position(epoch + 1, 0, None, position.history + (record,)), record
 
-    def save(self, epoch, step_in_epoch, totals, history):
-        """Checkpoints the position `step_in_epoch` steps into epoch `epoch` (0-based)."""
+    def save(self, position):
+        """Checkpoints `position`; only the chief's copy is kept."""
         self.engine.sync_to_model()
         manager = self.manager if self.engine.is_chief else checkpoints.DiscardingManager()
         return manager.save(
-            self.model, step=epoch * self.steps + step_in_epoch, metadata=dict(
-                epoch=epoch, step_in_epoch=step_in_epoch, totals=totals, history=history,
-                seed=self.config.seed, backend=self.engine.backend,
+            self.model, step=position.global_step(self.steps), metadata=dict(
+                position.as_metadata(), seed=self.config.seed, backend=self.engine.backend,
                 replicas=self.engine.num_replicas, global_batch_size=self.global_batch,
                 steps_per_epoch=self.steps))
 
@@ -251,22 +195,21 @@ def _quiet(line):
 def _resume_position(config, manager, model):
     """Restores the newest checkpoint unless told not to.
 
-    Returns (where to start, a note for the banner).
+    Returns (the `Position` to start from, a note for the banner).
     """
-    start = dict(epoch=0, step_in_epoch=0, totals=None, history=[])
     if not config.resume and manager.paths():
-        return start, ("starting over (--no-resume): this run's first checkpoint "
-                       "replaces the ones there")
+        return records.Position(), ("starting over (--no-resume): this run's first "
+                                    "checkpoint replaces the ones there")
     latest = manager.latest() if config.resume else None
     if latest is None:
-        return start, "starting fresh"
+        return records.Position(), "starting fresh"
     path, meta = latest
     checkpoints.restore(model, path, meta)
     if model.optimizer is not None:
         model.optimizer.learning_rate.assign(config.learning_rate)
     where = (f"epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}"
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
-    return {key: meta[key] for key in start}, (
+    return records.Position.from_metadata(meta), (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
         f"with {meta['replicas']} replica(s))")
 
@@ -284,7 +227,7 @@ def _step_callback(config, epoch, first_step, steps, global_batch):
                 f"non-finite loss at epoch {epoch + 1}, step {step}; stopping. "
                 "Checkpoints written before stay valid; try a lower --learning-rate")
         if progbar is not None:
-            loss, accuracy = summarize(totals)
+            loss, accuracy = steps.summarize(totals)
             rate = round(done * global_batch / (time.perf_counter() - start))
             progbar.update(step, [("loss", loss), ("accuracy", accuracy), ("samples/s", rate)])
 
@@ -300,8 +243,8 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model,
     model, _ = build(engine, model_fn, None, None)
     checkpoints.restore(model, path)
     data.check_labels(dataset, model.output_shape[-1], splits=("test",))
-    engine.prepare(model, None, batch_size, loss_fn)
-    test_loss, test_accuracy = evaluate(
+    engine.compile_steps(model, None, batch_size, loss_fn)
+    test_loss, test_accuracy = steps.evaluate(
         engine, dataset.test_images, dataset.test_labels, batch_size, steps_per_execution)
     return dict(restored=True, checkpoint=path, test_loss=test_loss,
                 test_accuracy=test_accuracy)

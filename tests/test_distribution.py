@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from kdist import data, engines, losses, training
+from kdist import data, engines, losses, steps, training
 from kdist.model import create_model
 
 
@@ -17,8 +17,8 @@ def weights_after_one_step(batch, replicas, distributed=True):
     keras.utils.set_random_seed(7)
     model, optimizer = training.build(engine, create_model, sgd, 0.5)
     before = [np.array(w) for w in model.get_weights()]
-    engine.prepare(model, optimizer, len(batch[0]), losses.sparse_categorical_crossentropy)
-    stats = engine.train_step(engine.distribute(training.stack_chunk([batch])), 1)
+    engine.compile_steps(model, optimizer, len(batch[0]), losses.sparse_categorical_crossentropy)
+    stats = engine.train_chunk(engine.distribute(steps.stack_chunk([batch])), 1)
     engine.sync_to_model()
     return before, [np.array(w) for w in model.get_weights()], \
         {k: float(np.asarray(v)[0]) for k, v in stats.items()}
@@ -55,7 +55,7 @@ def test_a_doubled_loss_scale_would_be_caught(batch):
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_batches_are_split_across_replicas(batch, replicas):
     engine = engines.create_engine(replicas)
-    distributed = engine.distribute(training.stack_chunk([batch, batch]))  # Two steps.
+    distributed = engine.distribute(steps.stack_chunk([batch, batch]))  # Two steps.
     if engine.backend == "jax":
         images = distributed[0]  # Stacked: (steps, batch, 28, 28, 1).
         assert tuple(images.sharding.spec)[:2] == (None, "batch")
@@ -89,9 +89,9 @@ def test_evaluation_counts_every_example_once(small_dataset, replicas):
     keras.utils.set_random_seed(1)
     model, _ = training.build(engine, create_model, None, None)
     global_batch = 16 * replicas  # 1,001 is a multiple of none of 16, 32, 64.
-    engine.prepare(model, None, global_batch, losses.sparse_categorical_crossentropy)
+    engine.compile_steps(model, None, global_batch, losses.sparse_categorical_crossentropy)
     images, labels = small_dataset.test_images, small_dataset.test_labels
-    totals, _ = training.run_steps(engine, engine.eval_step,
+    totals, _ = steps.run_steps(engine, engine.eval_chunk,
                                    data.eval_batches(images, labels, global_batch),
                                    steps_per_execution=3)  # Chunks of 3, a shorter last one.
     logits = np.asarray(model(images, training=False))
@@ -110,7 +110,7 @@ def test_batch_that_does_not_split_across_replicas_is_a_clear_error(batch):
     engine = engines.create_engine(4)
     odd = tuple(a[:30] for a in batch)
     with pytest.raises(engines.UsageError, match="30 does not split evenly across 4"):
-        training.run_steps(engine, engine.eval_step, [odd])
+        steps.run_steps(engine, engine.eval_chunk, [odd])
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -121,10 +121,10 @@ def test_chunked_steps_match_single_steps(small_dataset, replicas):
         # Adam: a padding step applied by mistake would move the weights even
         # with zero gradients (momentum), where SGD would not show it.
         model, optimizer = training.build(engine, create_model, training.adam, 1e-2)
-        engine.prepare(model, optimizer, 32, losses.sparse_categorical_crossentropy)
+        engine.compile_steps(model, optimizer, 32, losses.sparse_categorical_crossentropy)
         batches = data.train_batches(small_dataset.train_images, small_dataset.train_labels,
                                      32, seed=0, epoch=0, steps=5)
-        totals, done = training.run_steps(engine, engine.train_step, batches,
+        totals, done = steps.run_steps(engine, engine.train_chunk, batches,
                                           steps_per_execution=steps_per_execution)
         engine.sync_to_model()
         assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 5
@@ -137,13 +137,6 @@ def test_chunked_steps_match_single_steps(small_dataset, replicas):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
 
 
-def _train_programs(engine):
-    """How many programs the engine's train step has compiled (traced, on TF)."""
-    if engine.backend == "jax":
-        return engine._train_steps._cache_size()
-    return engine._train_step.experimental_get_tracing_count()
-
-
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_an_epoch_compiles_one_train_program(small_dataset, replicas):
     # Chunks of 3 over 7 steps: two full chunks, then a padded one. A state
@@ -151,33 +144,32 @@ def test_an_epoch_compiles_one_train_program(small_dataset, replicas):
     # device) or a new step count (TF) would compile the chunk again.
     engine = engines.create_engine(replicas)
     model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
-    engine.prepare(model, optimizer, 32, losses.sparse_categorical_crossentropy)
+    engine.compile_steps(model, optimizer, 32, losses.sparse_categorical_crossentropy)
     batches = data.train_batches(small_dataset.train_images, small_dataset.train_labels,
                                  32, seed=0, epoch=0, steps=7)
-    _, done = training.run_steps(engine, engine.train_step, batches, steps_per_execution=3)
+    _, done = steps.run_steps(engine, engine.train_chunk, batches, steps_per_execution=3)
     assert done == 7
-    assert _train_programs(engine) == 1
+    assert engine.compiled_train_programs() == 1
 
 
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA compiles on JAX only")
 def test_jax_releases_the_compilers_memory_before_a_chunk_first_runs(small_dataset,
                                                                      monkeypatch):
-    from kdist import startup
-    from kdist.engines import jax as jax_engine
+    from kdist import memory
 
     released = []
-    monkeypatch.setattr(startup, "release_freed_memory", lambda: released.append(True))
-    monkeypatch.setattr(jax_engine, "LONG_COMPILE_SECONDS", 0.0)  # Any compile counts.
+    monkeypatch.setattr(memory, "release_freed_memory", lambda: released.append(True))
+    monkeypatch.setattr(memory, "LONG_COMPILE_SECONDS", 0.0)  # Any compile counts.
     engine = engines.create_engine(2)
     model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
-    engine.prepare(model, optimizer, 32, losses.sparse_categorical_crossentropy)
-    chunk = engine.distribute(training.stack_chunk(list(data.train_batches(
+    engine.compile_steps(model, optimizer, 32, losses.sparse_categorical_crossentropy)
+    chunk = engine.distribute(steps.stack_chunk(list(data.train_batches(
         small_dataset.train_images, small_dataset.train_labels, 32, seed=0, epoch=0,
         steps=2))))
     released.clear()  # Eager ops compiled while building the model.
-    engine.train_step(chunk, 2)
+    engine.train_chunk(chunk, 2)
     # JAX reports the chunk's compile under the event the engine listens to.
     assert released
     released.clear()
-    engine.train_step(chunk, 2)
+    engine.train_chunk(chunk, 2)
     assert not released  # Compiled once: later calls release nothing.

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kdist import checkpoints, reporting
+from kdist import checkpoints, records, reporting
 from kdist.startup import UsageError
 from test_training import config, run
 
@@ -75,7 +75,7 @@ def test_a_full_disk_is_one_metrics_error():
     if not os.path.exists("/dev/full"):
         pytest.fail("needs /dev/full (Linux) to fill a disk")
     writer = reporting.MetricsWriter("/dev/full")
-    record = dict.fromkeys(reporting.EPOCH_KEYS, 1.0)
+    record = records.EpochRecord(**dict.fromkeys(records.EPOCH_KEYS, 1.0))
     with pytest.raises(reporting.MetricsError,
                        match="cannot write the metrics file /dev/full .No space left"):
         writer.epoch(record)

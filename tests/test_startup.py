@@ -1,4 +1,4 @@
-"""Process start-up settings (`kdist.startup`), each checked in a fresh process."""
+"""Process start-up settings (`kdist.startup`, `kdist.memory`), each checked in a fresh process."""
 
 import json
 import os
@@ -9,13 +9,13 @@ import pytest
 
 from conftest import REPO
 
-from kdist import startup
+from kdist import memory, startup
 
 # Every script starts with this: kdist importable, glibc's malloc, mallinfo2.
 _PREAMBLE = """
 import ctypes, sys
 sys.path.insert(0, {repo!r})
-from kdist import startup
+from kdist import memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -27,7 +27,7 @@ libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 """
 SCRATCH = 48 << 20  # Like XLA's per-call scratch for the CNN (34-39 MiB).
-DATA = 4 * startup.KEPT_BLOCK_BYTES  # Like a data set: over the threshold.
+DATA = 4 * memory.KEPT_BLOCK_BYTES  # Like a data set: over the threshold.
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
@@ -46,7 +46,7 @@ def _run(script, nbytes, keep=True):
 # lives (more than before it), then bytes of heap still held after the free.
 _ALLOCATE_AND_FREE = """
 import numpy as np
-print(startup.keep_freed_memory())
+print(memory.keep_freed_memory())
 mapped_before = libc.mallinfo2().hblkhd
 buffer = np.ones({nbytes} // 4, np.float32)
 mapped = libc.mallinfo2().hblkhd - mapped_before
@@ -89,7 +89,7 @@ def test_opting_out_keeps_the_c_library_default():
 # heap; the script prints how many bytes that heap's free handed back.
 _THREAD_SCRATCH = """
 import threading
-print(startup.keep_freed_memory())
+print(memory.keep_freed_memory())
 returned = []
 
 def device_thread():
@@ -125,11 +125,11 @@ def resident_kib():
     with open("/proc/self/status") as f:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1])
 
-startup.keep_freed_memory()
+memory.keep_freed_memory()
 buffer = np.ones({nbytes} // 4, np.float32)
 del buffer
 kept = resident_kib()
-print(startup.release_freed_memory(), kept, resident_kib())
+print(memory.release_freed_memory(), kept, resident_kib())
 """
 
 
@@ -174,3 +174,15 @@ def test_unsupported_backend_in_keras_json_names_the_file(tmp_path, monkeypatch)
     (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch"}))
     with pytest.raises(startup.UsageError, match=r'"backend" in .*keras.json=torch'):
         startup.prepare_environment()
+
+
+def test_importing_kdist_and_its_engine_changes_nothing_process_wide():
+    source = (f"import importlib, os, sys; sys.path.insert(0, {REPO!r}); "
+              "import keras; before = dict(os.environ); "  # Keras sets some itself.
+              "import kdist; from kdist import memory, training; "
+              "importlib.import_module('kdist.engines.' + keras.backend.backend()); "
+              "print(dict(os.environ) == before, memory._listening)")
+    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False"]

@@ -1,21 +1,7 @@
-"""One small module per backend behind one narrow interface.
+"""The engines: one module per backend, each an `Engine` of `kdist.engines.contract`.
 
-An engine has `num_replicas`, `devices`, `scope()`, `prepare(model,
-optimizer, global_batch_size, loss_fn)`, `distribute(stacked)` (K global
-numpy batches stacked by `kdist.training.stack_chunk`), `train_step(chunk,
-num_steps)`, `eval_step(chunk, num_steps)` and `sync_to_model()`. A step
-call runs the chunk's first `num_steps` steps in one compiled call (the
-rest is padding, so every call has one shape) and returns the dict of
-`kdist.losses.batch_statistics`, summed over replicas, as arrays of shape
-(K,): one value per step.
-`keras_fit_callbacks()` is what Keras' own `fit` needs to run safely on
-the same devices (used by `scripts/bench.py`).
-
-With several workers (`connect`), an engine also says where this process
-stands: `shard` = (worker index, worker count) (the slice of every global
-batch it feeds), `num_local_replicas` (its own devices) and `is_chief`;
-`any_worker(flag)` tells whether `flag` is true on any worker (a collective
-that every worker calls at the same point; no communication with one).
+`create_engine` picks the active Keras backend's; `connect` joins several
+workers before anything else runs.
 """
 
 import importlib

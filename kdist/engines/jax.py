@@ -11,25 +11,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kdist import losses, startup
-from kdist.startup import UsageError
-
-
-_BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-LONG_COMPILE_SECONDS = 0.25
-
-
-def _release_memory_after_long_compiles(event, duration_secs, **kwargs):
-    """After XLA compiles a big program (a train or eval chunk), before it
-    first runs, returns the compiler's freed memory to the kernel: the devices'
-    threads would not reuse it, so it only raised the peak RSS. Programs that
-    compile in under 0.25 s (15 of 20 in a 2-replica run: eager ops) skip the
-    trim, which costs 16-22 ms."""
-    if event == _BACKEND_COMPILE_EVENT and duration_secs >= LONG_COMPILE_SECONDS:
-        startup.release_freed_memory()
-
-
-jax.monitoring.register_event_duration_secs_listener(_release_memory_after_long_compiles)
+from kdist import losses
+from kdist.errors import UsageError
 
 
 def connect(spec, replicas=None):
@@ -105,8 +88,8 @@ class Engine:
         """Context in which the model, optimizer and variables must be created."""
         return self.distribution.scope() if self.distribution else contextlib.nullcontext()
 
-    def prepare(self, model, optimizer, global_batch_size, loss_fn):
-        """Takes the model's state as arrays and jits the two step functions;
+    def compile_steps(self, model, optimizer, global_batch_size, loss_fn):
+        """Takes the model's state as arrays and jits the two chunk functions;
         `optimizer` must already be built."""
         self.model, self.optimizer = model, optimizer
         self._read_state()
@@ -135,11 +118,10 @@ class Engine:
             _, (stats, _) = compute(trainable, non_trainable, batch, False)
             return stats
 
-        # Each step jitted on its own is traced once and called K times in the
-        # chunk's program: tracing took 0.28 s instead of 0.49 s, compiling
-        # 1.8 s instead of 2.1 s (8 steps, 1 device).
-        self._train_steps = jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
-        self._eval_steps = jax.jit(_eval_chunk(jax.jit(eval_step)))
+        # Each step is jitted on its own, so it is traced once and called K
+        # times in the chunk's program (faster tracing and compiling).
+        self._train_chunk = jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
+        self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step)))
 
     def _read_state(self):
         """Takes the variables' values as the state, replicated over the mesh.
@@ -171,7 +153,7 @@ class Engine:
         return tuple(jax.make_array_from_process_local_data(self._chunk_sharding, a)
                      for a in stacked)
 
-    def train_step(self, chunk, num_steps):
+    def train_chunk(self, chunk, num_steps):
         """Runs the chunk's first `num_steps` optimizer steps in one compiled call;
         blocks until done.
 
@@ -180,17 +162,21 @@ class Engine:
         queue up can deadlock XLA's all-reduce rendezvous ("RendezvousKey ...
         may be stuck"). Within one call the steps' all-reduces run in order.
         """
-        self.state, stats = self._train_steps(self.state, chunk, num_steps)
+        self.state, stats = self._train_chunk(self.state, chunk, num_steps)
         jax.block_until_ready(self.state)
         return stats
 
-    def eval_step(self, chunk, num_steps):
-        """The chunk's eval steps; blocks on every device (see `train_step`).
+    def eval_chunk(self, chunk, num_steps):
+        """The chunk's eval steps; blocks on every device (see `train_chunk`).
 
         Reading a replicated result on the host waits for one device only, so
         the block is explicit here too.
         """
-        return jax.block_until_ready(self._eval_steps(self.state, chunk, num_steps))
+        return jax.block_until_ready(self._eval_chunk(self.state, chunk, num_steps))
+
+    def compiled_train_programs(self):
+        """Programs in the train chunk's compile cache."""
+        return self._train_chunk._cache_size()
 
     def any_worker(self, flag):
         """Whether `flag` is true on any worker: an all-gather every process calls
@@ -218,7 +204,7 @@ class _BlockEachBatch(keras.callbacks.Callback):
     With several forced CPU devices, Keras' asynchronous JAX loop lets
     programs queue up and XLA's all-reduce rendezvous deadlocks (4 of 4
     `bench.py --replicas 2 --batch-size-per-replica 8` runs aborted without
-    this), the same hazard `Engine.train_step` blocks against.
+    this), the same hazard `Engine.train_chunk` blocks against.
     """
 
     def on_train_batch_end(self, batch, logs=None):

@@ -6,7 +6,7 @@ import os
 import tensorflow as tf
 
 from kdist import losses
-from kdist.startup import UsageError
+from kdist.errors import UsageError
 
 
 def split_cpu(count):
@@ -107,8 +107,9 @@ class Engine:
         """Context in which the model, optimizer and variables must be created."""
         return self.strategy.scope()
 
-    def prepare(self, model, optimizer, global_batch_size, loss_fn):
-        """Traces the two step functions; `optimizer` must already be built."""
+    def compile_steps(self, model, optimizer, global_batch_size, loss_fn):
+        """Builds the two chunk functions (traced at their first call);
+        `optimizer` must already be built."""
         self.model, self.optimizer = model, optimizer
 
         def model_call(images, training):
@@ -127,8 +128,8 @@ class Engine:
                 model_call, (images, labels, weights), global_batch_size, loss_fn, False)
             return stats
 
-        self._train_step = self._distributed(replica_train_step)
-        self._eval_step = self._distributed(replica_eval_step)
+        self._train_chunk = self._distributed(replica_train_step)
+        self._eval_chunk = self._distributed(replica_eval_step)
 
     def _distributed(self, replica_fn):
         """A tf.function running `replica_fn` on each step of a stacked chunk.
@@ -173,13 +174,18 @@ class Engine:
 
         return self.strategy.experimental_distribute_values_from_function(value_fn)
 
-    def train_step(self, chunk, num_steps):
+    def train_chunk(self, chunk, num_steps):
         """The chunk's first `num_steps` optimizer steps; returns each step's
         summed statistics."""
-        return self._train_step(chunk, tf.constant(num_steps))  # A tensor: no retrace.
+        return self._train_chunk(chunk, tf.constant(num_steps))  # A tensor: no retrace.
 
-    def eval_step(self, chunk, num_steps):
-        return self._eval_step(chunk, tf.constant(num_steps))
+    def eval_chunk(self, chunk, num_steps):
+        """The chunk's first `num_steps` eval steps; returns each step's statistics."""
+        return self._eval_chunk(chunk, tf.constant(num_steps))
+
+    def compiled_train_programs(self):
+        """Traces of the train chunk's tf.function."""
+        return self._train_chunk.experimental_get_tracing_count()
 
     def any_worker(self, flag):
         """Whether `flag` is true on any worker: an all-reduce every worker calls

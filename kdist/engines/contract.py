@@ -1,0 +1,88 @@
+"""The engine contract: what the loop needs from a backend, as code.
+
+`kdist.training` runs one loop for every backend; everything backend-specific
+sits behind this interface, one module per backend (`kdist/engines/<name>.py`,
+class `Engine`). The division of work:
+
+- The loop (`kdist.training`) makes fixed-shape NumPy batches
+  `(inputs, labels, weights)`, groups K of them into a chunk, pads a short
+  last chunk with zero-weight batches, and stacks each part to shape
+  (K, batch, ...) (`kdist.steps.stack_chunk`). It accounts statistics step by
+  step, decides when to checkpoint and when to stop.
+- The engine places a stacked chunk on its replicas (`distribute`), runs
+  the chunk's first `num_steps` steps in one compiled call (`train_chunk`,
+  `eval_chunk`; the rest is padding, so every call has one shape), and
+  returns each step's statistics summed over all replicas.
+
+Statistics are the dict of `kdist.losses.batch_statistics`: for each key of
+`kdist.losses.STATISTICS`, a 1-D array whose first `num_steps` values are
+the steps' (any values after them belong to padding and are ignored).
+
+`tests/test_engines.py` checks every installed engine against this class.
+"""
+
+import contextlib
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One backend's way to run kdist's steps data-parallel.
+
+    Created by `kdist.engines.create_engine(replicas, distributed)`, before
+    any model exists: the model and optimizer are then built in `scope()`.
+    """
+
+    backend: str
+    """The Keras backend's name: "tensorflow" or "jax"."""
+    version: str
+    """The framework's version, for the banner."""
+    num_replicas: int
+    """Replicas over all workers: the global batch is this times the per-replica batch."""
+    num_local_replicas: int
+    """This process's replicas: a batch it feeds must divide by this."""
+    devices: list
+    """This process's devices, for the banner."""
+    shard: tuple
+    """(worker index, worker count): the slice of every global batch this process feeds."""
+    is_chief: bool
+    """Whether this process reports and writes checkpoints (worker 0)."""
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        """The context in which the model, optimizer and variables must be created."""
+
+    def compile_steps(self, model: Any, optimizer: Any, global_batch_size: int,
+                      loss_fn: Callable) -> None:
+        """Builds the train and eval chunk functions for `model`.
+
+        `optimizer` (None for evaluation only) must already be built.
+        `loss_fn(labels, predictions)` gives per-example losses; the loss a
+        replica differentiates is their weighted sum / `global_batch_size`
+        (`kdist.losses.scale_loss`), and gradients are summed over replicas.
+        """
+
+    def distribute(self, stacked: tuple) -> Any:
+        """Places a stacked chunk, NumPy arrays of shape (K, local batch, ...),
+        on this process's replicas, split along the batch axis."""
+
+    def train_chunk(self, chunk: Any, num_steps: int) -> dict:
+        """Runs the first `num_steps` optimizer steps of a distributed chunk in
+        one compiled call; returns each step's summed statistics. Returns only
+        when every device is done."""
+
+    def eval_chunk(self, chunk: Any, num_steps: int) -> dict:
+        """Like `train_chunk`, in inference mode and without updating anything."""
+
+    def sync_to_model(self) -> None:
+        """Writes the engine's state back into the Keras variables (before a save)."""
+
+    def any_worker(self, flag: bool) -> bool:
+        """Whether `flag` is true on any worker: a collective every worker calls at
+        the same point of the loop; no communication with one worker."""
+
+    def compiled_train_programs(self) -> int:
+        """How many train programs have been compiled (traced, on TensorFlow):
+        1 for a whole run, whatever its chunks' step counts."""
+
+    def keras_fit_callbacks(self) -> list:
+        """Callbacks that Keras' own `fit` needs on the same devices (benchmarks)."""

@@ -1,0 +1,55 @@
+"""Every installed engine implements the engine contract (`kdist.engines.contract`)."""
+
+import importlib
+import importlib.util
+import inspect
+
+import keras
+import numpy as np
+import pytest
+
+from kdist import data, engines, losses, steps, training
+from kdist.engines import contract
+from kdist.model import create_model
+
+CONTRACT_METHODS = [name for name, value in vars(contract.Engine).items()
+                    if inspect.isfunction(value) and not name.startswith("_")]
+INSTALLED = [name for name in engines.BACKENDS
+             if importlib.util.find_spec({"tensorflow": "tensorflow", "jax": "jax"}[name])]
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_every_installed_engine_has_the_contracts_methods_and_signatures(backend):
+    engine_class = importlib.import_module(f"kdist.engines.{backend}").Engine
+    assert engine_class.backend == backend
+    for name in CONTRACT_METHODS:
+        wanted = list(inspect.signature(getattr(contract.Engine, name)).parameters)
+        assert list(inspect.signature(getattr(engine_class, name)).parameters) == wanted, name
+
+
+@pytest.mark.parametrize("replicas, distributed", [(1, False), (2, True)])
+def test_the_active_engine_meets_the_contract_when_used(small_dataset, replicas, distributed):
+    engine = engines.create_engine(replicas, distributed=distributed)
+    assert isinstance(engine, contract.Engine)
+    assert engine.backend == keras.backend.backend() and isinstance(engine.version, str)
+    assert engine.num_replicas == engine.num_local_replicas == replicas
+    assert len(engine.devices) == replicas
+    assert engine.shard == (0, 1) and engine.is_chief
+    assert engine.any_worker(True) and not engine.any_worker(False)  # One worker.
+
+    model, optimizer = training.build(engine, create_model, training.sgd, 0.1)
+    initial = [np.array(w) for w in model.get_weights()]
+    engine.compile_steps(model, optimizer, 32, losses.sparse_categorical_crossentropy)
+    batches = list(data.train_batches(small_dataset.train_images,
+                                      small_dataset.train_labels, 32, seed=0, epoch=0,
+                                      steps=2))
+    padding = (batches[0][0], batches[0][1], np.zeros_like(batches[0][2]))
+    chunk = engine.distribute(steps.stack_chunk(batches + [padding]))
+    for run in (engine.train_chunk, engine.eval_chunk):
+        stats = {k: np.asarray(v) for k, v in run(chunk, 2).items()}
+        assert sorted(stats) == sorted(losses.STATISTICS)
+        assert all(v.ndim == 1 and len(v) >= 2 for v in stats.values())
+        np.testing.assert_array_equal(stats["count"][:2], [32, 32])
+    assert engine.compiled_train_programs() == 1
+    engine.sync_to_model()  # The optimizer steps reach the Keras variables.
+    assert any(np.abs(a - b).max() > 0 for a, b in zip(initial, model.get_weights()))
