@@ -3,10 +3,13 @@
 Select one with `nox -s "tests(backend='jax')"`; reuse venvs with `nox -R`.
 The `both` session has TensorFlow and JAX installed and runs the tests that
 cross backends (a checkpoint written on one, restored on the other).
+`nox -s lowest` runs a subset against the lowest versions pyproject.toml allows.
 """
 
 import json
 import os
+import re
+import tomllib
 
 import nox
 
@@ -27,6 +30,43 @@ def tests(session, backend):
         env = {"KERAS_BACKEND": backend}
         args = ["-m", "not cross_backend"]
     session.run("pytest", *args, *session.posargs, env=env)
+
+
+# The tests `lowest` runs by default: the loop, the replicas' equivalence, the commands.
+LOWEST_TESTS = ["tests/test_distribution.py", "tests/test_training.py",
+                "tests/test_entry_points.py"]
+# Installed along a package's floor: jax needs the jaxlib of its own version.
+COMPANIONS = {"jax": ["jaxlib"]}
+
+
+def floors(extra):
+    """`name==version; marker` constraints: the `>=` floor of every runtime dependency
+    of kdist and of its `extra` in pyproject.toml."""
+    with open("pyproject.toml", "rb") as f:
+        project = tomllib.load(f)["project"]
+    constraints = []
+    for requirement in project["dependencies"] + project["optional-dependencies"][extra]:
+        spec, _, marker = requirement.partition(";")
+        match = re.fullmatch(r"\s*([A-Za-z0-9_.-]+)\s*>=\s*([0-9][0-9.]*)\s*", spec)
+        if match is None:
+            raise ValueError(f"pyproject.toml: {requirement!r} has no plain >= floor")
+        name, version = match.groups()
+        for package in [name, *COMPANIONS.get(name, [])]:
+            constraints.append(f"{package}=={version}" + (f";{marker}" if marker else ""))
+    return constraints
+
+
+@nox.session
+@nox.parametrize("backend", ["tensorflow", "jax"])
+def lowest(session, backend):
+    """The floors of pyproject.toml, installed exactly; `nox -s lowest -- TESTS` picks tests."""
+    constraints = os.path.join(session.create_tmp(), "lowest.txt")
+    with open(constraints, "w") as f:
+        f.write("\n".join(floors(backend)) + "\n")
+    session.install("-c", constraints, "-e", f".[{backend},test]")
+    session.run("python", "-m", "pip", "list")
+    session.run("pytest", "-m", "not cross_backend", *(session.posargs or LOWEST_TESTS),
+                env={"KERAS_BACKEND": backend})
 
 
 @nox.session

@@ -1,7 +1,9 @@
-"""Local launcher: N workers of scripts/train.py on 127.0.0.1, for trying multi-worker runs.
+"""Local launcher: N training workers on 127.0.0.1, for trying multi-worker runs.
 
-`python scripts/launch.py --workers 2 -- --synthetic --epochs 1` picks free
-loopback ports, starts every worker with `--peers` and its `--worker-index`,
+`kdist-launch --workers 2 -- --synthetic --epochs 1` (or `python
+scripts/launch.py ...`) picks free loopback ports, starts every worker as
+`python -m kdist` (the training command; the launcher's Python, environment
+and folder, no PATH lookup) with `--peers` and its `--worker-index`,
 and prints each worker's output lines prefixed with `[worker I]`. If a worker
 exits with an error, the others are stopped and the launcher exits with that
 worker's exit status (128 + N for a worker killed by signal N), after its last
@@ -24,8 +26,8 @@ import time
 
 from kdist import memory
 
-TRAIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "scripts", "train.py")
+# The training command, kdist-train's `kdist.cli.main`, run by kdist/__main__.py.
+TRAIN = [sys.executable, "-m", "kdist"]
 # Set by the launcher; inherited values would describe another cluster.
 CLUSTER_VARIABLES = ("TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
                      "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID")
@@ -41,7 +43,7 @@ def parser():
     p = argparse.ArgumentParser(
         prog="launch.py",
         usage="launch.py [-h] --workers N [--timeout S] [--grace S] -- [train.py flags]",
-        description="Start N workers of scripts/train.py on this machine (127.0.0.1, free "
+        description="Start N training workers (kdist-train) on this machine (127.0.0.1, free "
                     "ports), on the backend chosen by KERAS_BACKEND. Flags after -- go to "
                     "every worker; --peers and --worker-index are added.")
     p.add_argument("--workers", type=int, required=True, help="number of worker processes")
@@ -130,7 +132,7 @@ def start(num_workers, train_args):
     env[LAUNCHER_VARIABLE] = str(os.getpid())
     workers = []
     for index in range(num_workers):
-        command = [sys.executable, TRAIN, *train_args, "--peers", peers,
+        command = [*TRAIN, *train_args, "--peers", peers,
                    "--worker-index", str(index)]
         workers.append(Worker(index, command, env))
         print(f"launch: worker {index} pid {workers[-1].proc.pid} ({peers})", flush=True)

@@ -1,6 +1,8 @@
 """Learning curves from a metrics file (needs matplotlib: `pip install kdist[plot]`)."""
 
+import argparse
 import json
+import sys
 
 
 def read_epochs(metrics_file):
@@ -48,3 +50,22 @@ def plot_curves(metrics_file, output):
     figure.savefig(output)
     plt.close(figure)
     return output
+
+
+def main(argv=None):
+    """`kdist-plot METRICS -o PNG`; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="plot.py", description="Draw the learning curves of a --metrics-file as a PNG.")
+    parser.add_argument("metrics_file", help="JSON lines written by train.py --metrics-file")
+    parser.add_argument("-o", "--output", default="curves.png",
+                        help="PNG to write (default: %(default)s)")
+    args = parser.parse_args(argv)
+    try:
+        print(plot_curves(args.metrics_file, args.output))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ImportError:
+        print("error: plotting needs matplotlib; pip install 'kdist[plot]'", file=sys.stderr)
+        return 1
+    return 0

@@ -1,11 +1,11 @@
-"""Benchmark kdist against Keras fit: `KERAS_BACKEND=jax python scripts/bench.py --help`."""
+"""Benchmark kdist against Keras fit: `KERAS_BACKEND=jax python scripts/bench.py --help`.
 
-import os
+The same as `kdist-bench`; needs kdist installed (`pip install -e .`).
+"""
+
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from kdist import cli  # noqa: E402
+from kdist.cli import bench_main
 
 if __name__ == "__main__":
-    sys.exit(cli.bench_main())
+    sys.exit(bench_main())

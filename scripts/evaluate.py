@@ -1,11 +1,11 @@
-"""Evaluate the newest checkpoint without distribution: `python scripts/evaluate.py --help`."""
+"""Evaluate the newest checkpoint without distribution: `python scripts/evaluate.py --help`.
 
-import os
+The same as `kdist-evaluate`; needs kdist installed (`pip install -e .`).
+"""
+
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from kdist import cli  # noqa: E402
+from kdist.cli import evaluate_main
 
 if __name__ == "__main__":
-    sys.exit(cli.evaluate_main())
+    sys.exit(evaluate_main())

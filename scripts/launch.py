@@ -1,11 +1,11 @@
-"""Start N local workers of scripts/train.py: `python scripts/launch.py --workers 2 -- --synthetic`."""
+"""Start N local training workers: `python scripts/launch.py --workers 2 -- --synthetic`.
 
-import os
+The same as `kdist-launch`; needs kdist installed (`pip install -e .`).
+"""
+
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from kdist import launch  # noqa: E402  (imports no framework)
+from kdist.launch import main  # Imports no framework.
 
 if __name__ == "__main__":
-    sys.exit(launch.main())
+    sys.exit(main())

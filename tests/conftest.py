@@ -11,7 +11,12 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+# The tests, and the scripts and workers they start, import this checkout's
+# kdist even where another one is installed.
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _CHECKOUT)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_CHECKOUT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 from kdist import startup  # noqa: E402  (imports no framework)
 
