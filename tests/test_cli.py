@@ -173,7 +173,8 @@ def test_bench_runs_briefly_and_ends_with_its_json_line():
 
 def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
     folder = str(tmp_path / "ckpt")
-    common = SMALL + ["--epochs", "2", "--steps-per-epoch", "300", "--checkpoint-dir", folder]
+    # Long enough that the first run still trains when the second one starts.
+    common = SMALL + ["--epochs", "100", "--steps-per-epoch", "300", "--checkpoint-dir", folder]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     first = subprocess.Popen([sys.executable, TRAIN, *common], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=env)
