@@ -162,7 +162,7 @@ def assert_stopped_together(tmp_path, out, pids):
     """Every worker stopped after the same step and the chief saved it."""
     assert not [pid for pid in pids if alive(pid)]
     steps = stop_steps(out)
-    assert sorted(steps) == [0, 1] and steps[0] == steps[1], out
+    assert sorted(steps) == [0, 1] and steps[0] == steps[1], "".join(out)
     saved = os.listdir(tmp_path / "ckpt")
     assert len(saved) == 1
     meta = checkpoints.read_metadata(str(tmp_path / "ckpt" / saved[0]))
