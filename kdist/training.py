@@ -13,11 +13,11 @@ import time
 
 import keras
 
-from kdist import (checkpoints, checks, data, engines, interrupt, losses, records, reporting,
-                   steps)
+from kdist import checkpoints, checks, data, engines, interrupt, losses, records, reporting
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.model import create_model
+from kdist.steps import evaluate, run_steps, summarize
 
 
 def build(engine, model_fn, optimizer_fn, learning_rate):
@@ -162,14 +162,14 @@ class _Run:
             seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step,
             shard=self.engine.shard)
         on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
-        totals, done = steps.run_steps(self.engine, self.engine.train_chunk, batches,
+        totals, done = run_steps(self.engine, self.engine.train_chunk, batches,
                                  position.totals, on_step, stop.poll, self.train_chunk)
         if first_step + done < self.steps:
             return dataclasses.replace(position, step_in_epoch=first_step + done,
                                        totals=totals), None
         seconds = time.perf_counter() - start if done else None  # None: all trained before.
-        train_loss, train_accuracy = steps.summarize(totals)
-        test_loss, test_accuracy = steps.evaluate(
+        train_loss, train_accuracy = summarize(totals)
+        test_loss, test_accuracy = evaluate(
             self.engine, self.dataset.test_images, self.dataset.test_labels,
             self.global_batch, self.config.steps_per_execution)
         record = records.EpochRecord(
@@ -214,9 +214,9 @@ def _resume_position(config, manager, model):
         f"with {meta['replicas']} replica(s))")
 
 
-def _step_callback(config, epoch, first_step, steps, global_batch):
+def _step_callback(config, epoch, first_step, steps_per_epoch, global_batch):
     """Checks every step's loss and drives the progress bar."""
-    progbar = keras.utils.Progbar(steps, stateful_metrics=["loss", "accuracy", "samples/s"]) \
+    progbar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss", "accuracy", "samples/s"]) \
         if config.progress else None
     start = time.perf_counter()
 
@@ -227,7 +227,7 @@ def _step_callback(config, epoch, first_step, steps, global_batch):
                 f"non-finite loss at epoch {epoch + 1}, step {step}; stopping. "
                 "Checkpoints written before stay valid; try a lower --learning-rate")
         if progbar is not None:
-            loss, accuracy = steps.summarize(totals)
+            loss, accuracy = summarize(totals)
             rate = round(done * global_batch / (time.perf_counter() - start))
             progbar.update(step, [("loss", loss), ("accuracy", accuracy), ("samples/s", rate)])
 
@@ -244,7 +244,7 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model,
     checkpoints.restore(model, path)
     data.check_labels(dataset, model.output_shape[-1], splits=("test",))
     engine.compile_steps(model, None, batch_size, loss_fn)
-    test_loss, test_accuracy = steps.evaluate(
+    test_loss, test_accuracy = evaluate(
         engine, dataset.test_images, dataset.test_labels, batch_size, steps_per_execution)
     return dict(restored=True, checkpoint=path, test_loss=test_loss,
                 test_accuracy=test_accuracy)
