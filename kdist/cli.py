@@ -235,18 +235,18 @@ def _check_paths(args):
 
 @_quiet_signals("stopped while starting; nothing was trained")
 def main(argv=None):
-    launch.follow_launcher()
     return _run(train_parser(), argv, _train)
 
 
 def _train(args):
+    stop = kdist.StopRequest()
+    launch.follow_launcher(stop)  # Under kdist-launch: stop when it is gone.
     spec = _cluster_spec(args)
     _check_paths(args)
     _start(args, args.replicas)
     _connect(spec, args.replicas)
     run_config = config_from_args(
         args, progress=sys.stdout.isatty() and not args.quiet and spec.is_chief)
-    stop = kdist.StopRequest()
     # From here a signal is a stop request that every worker agrees on: a
     # worker that exited alone would leave the others waiting in a step.
     with kdist.stop_on_signals(stop):

@@ -9,7 +9,7 @@ exits with an error, the others are stopped and the launcher exits with that
 worker's exit status (128 + N for a worker killed by signal N), after its last
 lines. SIGTERM, SIGINT or SIGHUP to the launcher sends SIGTERM to every
 worker: they stop after the same step, the chief checkpoints. If the
-launcher itself is killed, the kernel sends its workers SIGTERM
+launcher itself is killed, its workers stop as on SIGTERM
 (`follow_launcher`). Every wait is bounded: `--timeout` for the whole run,
 `--grace` for workers to stop. Imports no framework.
 """
@@ -24,7 +24,6 @@ import sys
 import threading
 import time
 
-from kdist import memory
 
 # The training command, kdist-train's `kdist.cli.main`, run by kdist/__main__.py.
 TRAIN = [sys.executable, "-m", "kdist"]
@@ -36,7 +35,6 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What train.py returns after it checkpointed and stopped on SIGINT, SIGTERM or SIGHUP.
 STOPPED_STATUSES = tuple(128 + s for s in STOP_SIGNALS)
 LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to follow.
-_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
 
 
 def parser():
@@ -227,19 +225,24 @@ def main(argv=None):
             signal.signal(s, handler)
 
 
-def follow_launcher(environ=os.environ):
-    """In a worker the launcher started: be sent SIGTERM when the launcher dies.
+def follow_launcher(stop, environ=os.environ, interval=0.5):
+    """In a worker the launcher started: asks `stop` to stop once the launcher is gone.
 
     A launcher killed outright (SIGKILL, an out-of-memory kill) cannot stop
-    its workers; the kernel then signals them (Linux `prctl(PR_SET_DEATHSIG)`)
-    and they stop as on a SIGTERM from the launcher. Returns whether this
-    process follows a launcher.
+    its workers. A daemon thread watches this process's parent; when it is no
+    longer the launcher, it requests a stop as SIGTERM would, so the workers
+    agree on a step, the chief checkpoints, and each exits. No signal is
+    involved: a signal's handling can be taken over by the frameworks'
+    native code. Returns whether this process follows a launcher.
     """
     launcher = environ.get(LAUNCHER_VARIABLE)
-    prctl = memory.libc_function("prctl")
-    if not launcher or prctl is None:
+    if not launcher:
         return False
-    prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != int(launcher):  # It died before the call above.
-        os.kill(os.getpid(), signal.SIGTERM)
+
+    def watch():
+        while os.getppid() == int(launcher):
+            time.sleep(interval)
+        stop.request("SIGTERM")
+
+    threading.Thread(target=watch, name="kdist-follow-launcher", daemon=True).start()
     return True

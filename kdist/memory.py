@@ -57,7 +57,7 @@ def release_freed_memory():
 
 def libc_function(name):
     """The C library's function `name`, or None where it has none (`mallopt` on
-    macOS or musl, `prctl` outside Linux)."""
+    macOS or musl)."""
     try:
         return getattr(ctypes.CDLL(None), name)
     except (OSError, AttributeError):
