@@ -8,10 +8,10 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
     """`keras.layers.MaxPooling2D` whose 2x2/stride-2 case is fast on JAX.
 
     XLA:CPU compiles the gradient of `reduce_window` max pooling into a slow
-    select-and-scatter (about two thirds of a train step here). Taking the max
-    of a (B, H/2, 2, W/2, 2, C) reshape gives the same outputs and gradients
-    through plain element-wise selects, 3x faster end to end on JAX CPU. On
-    TensorFlow the native pooling kernel is faster, so it is kept there.
+    select-and-scatter. Taking the max of a (B, H/2, 2, W/2, 2, C) reshape
+    gives the same outputs and gradients through plain element-wise selects,
+    much faster on JAX CPU (docs/performance.md). On TensorFlow the native
+    pooling kernel is faster, so it is kept there.
 
     The class keeps Keras' name on purpose: weight files index layers by
     class name, so checkpoints stay loadable into a stock Keras model.

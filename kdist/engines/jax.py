@@ -129,7 +129,7 @@ class Engine:
         On one device Keras keeps variables on that device, while the train
         step returns them on the 1-device mesh: placing them there first
         gives every call the same input types, so the program compiles once,
-        not twice (2.5 s more in the first epoch).
+        not twice.
         """
         values = tuple([v.value for v in vs] for vs in self._variable_lists())
         if self.distribution is not None:
@@ -217,11 +217,11 @@ def _train_chunk(step):
     """(state, stacked chunk, num_steps) -> (state, stats stacked per step).
 
     A Python loop over the chunk's K batches, unrolled when traced: on XLA:CPU
-    this runs about twice as fast as one call per step, and faster than
-    `lax.scan`. Batches from `num_steps` on are padding: their step is
-    computed but its state is dropped by an element-wise select, so an
-    epoch's last, shorter chunk reuses the same program instead of compiling
-    another (`lax.cond` there cost 40% of the training speed on XLA:CPU).
+    this runs faster than one call per step and than `lax.scan`. Batches from
+    `num_steps` on are padding: their step is computed but its state is
+    dropped by an element-wise select, so an epoch's last, shorter chunk
+    reuses the same program instead of compiling another (`lax.cond` there
+    slows training on XLA:CPU; docs/performance.md has the figures).
     """
 
     def steps(state, chunk, num_steps):
@@ -242,7 +242,7 @@ def _eval_chunk(step):
 
     Each batch runs under `lax.cond`, which skips the padding and, on XLA:CPU,
     keeps the K forward passes one after another: unconditioned, the eval
-    chunk ran 2.6x slower (0.73 s against 0.28 s for the 10,000 test images).
+    chunk runs several times slower (docs/performance.md).
     """
 
     def skip(state, batch):
