@@ -15,8 +15,8 @@ import time
 
 import keras
 
-from kdist import data, engines, losses, training
-from kdist.steps import evaluate, run_steps
+from kdist import data, engines, training
+from kdist.steps import evaluate, run_steps, zero_totals
 from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.model import create_model
 
@@ -34,18 +34,19 @@ def summarize_epochs(seconds, samples_per_epoch):
 
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution):
     keras.utils.set_random_seed(0)
-    model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
-    engine.compile_steps(model, optimizer, global_batch, losses.sparse_categorical_crossentropy)
+    model, step = training.prepare_model(engine, global_batch,
+                                         training.sample_rows(dataset, global_batch))
+    engine.compile_steps(step, model.optimizer)
     seconds = []
     for epoch in range(1 + windows):
         start = time.perf_counter()
-        batches = data.train_batches(dataset.train_images, dataset.train_labels, global_batch,
+        batches = data.train_batches(*dataset.split("train"), global_batch,
                                      seed=0, epoch=epoch, steps=steps)
-        run_steps(engine, engine.train_chunk, batches,  # Ends with host values.
-                           steps_per_execution=steps_per_execution)
+        run_steps(engine, engine.train_chunk, batches, zero_totals(step),  # Ends on the host.
+                  steps_per_execution=steps_per_execution)
         seconds.append(time.perf_counter() - start)
     evaluate_seconds = _time_twice(lambda: evaluate(
-        engine, dataset.test_images, dataset.test_labels, global_batch, steps_per_execution))
+        engine, step, *dataset.split("test"), global_batch, steps_per_execution))
     return dict(summarize_epochs(seconds, steps * global_batch),
                 eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
 
@@ -74,11 +75,11 @@ def measure_fit(engine, dataset, global_batch, steps, windows):
     count = steps * global_batch
     times = _EpochTimes()
     blocking = engine.keras_fit_callbacks()  # Keeps fit on JAX CPU devices from deadlocking.
-    model.fit(dataset.train_images[:count], dataset.train_labels[:count],
+    model.fit(dataset.train_x[:count], dataset.train_y[:count],
               batch_size=global_batch, epochs=1 + windows, callbacks=[times] + blocking,
               verbose=0)
     evaluate_seconds = _time_twice(lambda: model.evaluate(
-        dataset.test_images, dataset.test_labels, batch_size=global_batch, verbose=0,
+        dataset.test_x, dataset.test_y, batch_size=global_batch, verbose=0,
         callbacks=blocking))
     return dict(summarize_epochs(times.seconds, count),
                 eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
@@ -97,7 +98,7 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
     """Measures kdist then fit; logs a table and returns the summary dict."""
     engine = engines.create_engine(replicas)
     global_batch = batch_size_per_replica * engine.num_replicas
-    steps = data.steps_per_epoch(len(dataset.train_images), global_batch, steps)
+    steps = data.steps_per_epoch(dataset.size("train"), global_batch, steps)
     log(f"{engine.backend} {engine.version}, {engine.num_replicas} replica(s), global batch "
         f"{global_batch}, {steps} steps per epoch, 1 + {windows} epochs each, kdist "
         f"--steps-per-execution {steps_per_execution}, "

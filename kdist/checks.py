@@ -37,7 +37,8 @@ def check_config(config):
     for name in ("epochs", "batch_size_per_replica", "checkpoint_every", "keep",
                  "steps_per_execution"):
         check_positive(getattr(config, name), name)
-    check_positive(config.learning_rate, "learning_rate", kind=float)
+    if config.learning_rate is not None:
+        check_positive(config.learning_rate, "learning_rate", kind=float)
     check_positive(config.replicas, "replicas", optional=True)
     check_positive(config.steps_per_epoch, "steps_per_epoch", optional=True)
     check_seed(config.seed)

@@ -274,8 +274,9 @@ def _evaluate(args):
         raise errors.CheckpointError(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
                                      "train first or pass --checkpoint-dir")
     result = kdist.evaluate_checkpoint(path, load_data(args))
-    print(f"{path}: test loss {result['test_loss']:.4f}, "
-          f"test accuracy {result['test_accuracy']:.2f}%")
+    from kdist import reporting  # Loads Keras: only after _start.
+
+    print(f"{path}: {reporting.format_results(result, 'test_')}")
     return 0
 
 

@@ -32,7 +32,9 @@ class TrainConfig:
     epochs: int = _setting(10, "training epochs")
     batch_size_per_replica: int = _setting(
         64, "examples per replica per step; the global batch is this times the replica count")
-    learning_rate: float = _setting(1e-3, "learning rate of --optimizer")
+    learning_rate: float | None = _setting(
+        None, "learning rate of --optimizer (default 0.001); for a model compiled in "
+              "model_fn, None: its optimizer has its own")
     replicas: int | None = _setting(
         None, "data-parallel replicas (default: every visible device; on a CPU-only machine "
               "N splits the CPU into N devices)")

@@ -1,15 +1,19 @@
-"""Fashion-MNIST loading and batching, shared by every backend.
+"""Data sets in memory, Fashion-MNIST loading, and batching, shared by every backend.
 
-Everything here is NumPy: the engines only ever see fixed-shape global batches
-``(images, labels, weights)``. Train batches are full (the last partial batch of
-an epoch is dropped, as in the tutorial); eval batches cover every example
-exactly once, with the last batch padded and its padding given weight 0.
+Everything here is NumPy: the engines only ever see fixed-shape global
+batches ``(x, y, sample_weight, mask)``, where x and y are an array or a
+tuple, list or dict of arrays (the model's inputs and targets),
+`sample_weight` is the user's (or None) and `mask` is 1 for a real example
+and 0 for padding. Train batches are full (the last partial batch of an
+epoch is dropped, as in the tutorial); eval batches cover every example
+exactly once, with the last batch padded and its padding masked.
 """
 
 import dataclasses
 import gzip
 import os
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -30,13 +34,52 @@ _IDX_MAGIC = {"images": (0x0803, 3), "labels": (0x0801, 1)}
 
 @dataclasses.dataclass
 class Dataset:
-    """Train and test arrays plus where they came from."""
+    """Train and test data in memory, plus where they came from.
 
-    train_images: np.ndarray  # float32, (N, 28, 28, 1), in [0, 1]
-    train_labels: np.ndarray  # int32, (N,)
-    test_images: np.ndarray
-    test_labels: np.ndarray
-    source: str
+    Each of x and y is a NumPy array or a tuple, list or dict of them (as
+    Keras `fit` takes), every array with one row per example; sample
+    weights are optional arrays of shape (N,).
+    """
+
+    train_x: Any
+    train_y: Any
+    test_x: Any
+    test_y: Any
+    source: str = "arrays in memory"
+    train_sample_weight: np.ndarray | None = None
+    test_sample_weight: np.ndarray | None = None
+
+    def split(self, name):
+        """(x, y, sample_weight) of split "train" or "test"."""
+        return (getattr(self, f"{name}_x"), getattr(self, f"{name}_y"),
+                getattr(self, f"{name}_sample_weight"))
+
+    def size(self, name):
+        """The examples of split "train" or "test"."""
+        return num_examples(getattr(self, f"{name}_x"))
+
+
+def map_arrays(fn, *structures):
+    """`fn` over the arrays of same-shaped structures (tuple, list, dict, None)."""
+    first = structures[0]
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return {key: map_arrays(fn, *(s[key] for s in structures)) for key in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(map_arrays(fn, *parts) for parts in zip(*structures))
+    return fn(*structures)
+
+
+def leaves(structure):
+    """The arrays of a structure, in order."""
+    found = []
+    map_arrays(found.append, structure)
+    return found
+
+
+def num_examples(structure):
+    return len(leaves(structure)[0])
 
 
 def keras_cache_dir():
@@ -113,10 +156,10 @@ def _normalise(arrays, source):
         return (a.astype(np.float32) / np.float32(255.0))[..., None]
 
     return Dataset(
-        train_images=images(arrays["train_images"]),
-        train_labels=arrays["train_labels"].astype(np.int32),
-        test_images=images(arrays["test_images"]),
-        test_labels=arrays["test_labels"].astype(np.int32),
+        train_x=images(arrays["train_images"]),
+        train_y=arrays["train_labels"].astype(np.int32),
+        test_x=images(arrays["test_images"]),
+        test_y=arrays["test_labels"].astype(np.int32),
         source=source,
     )
 
@@ -174,30 +217,38 @@ def synthetic_fashion_mnist(num_train=60000, num_test=10000, seed=0):
 def check_dataset(dataset):
     """Raises DataError, naming `dataset.source`, for data no run can train on.
 
-    Each split needs as many labels as images, at least one example, and
-    finite images (no NaN or infinity).
+    Each split needs at least one example, the same number of rows in every
+    array of x, y and the sample weights, and finite floats (no NaN or
+    infinity) in x.
     """
     for split in ("train", "test"):
-        images, labels = _split(dataset, split)
-        if len(images) != len(labels):
-            raise DataError(f"{dataset.source}: {split} has {len(images)} images but "
-                            f"{len(labels)} labels; they must be as many")
-        if not len(images):
+        x, y, sample_weight = dataset.split(split)
+        parts = [("x", x), ("y", y), ("sample weight", sample_weight)]
+        lengths = [(name, len(a)) for name, part in parts for a in leaves(part)]
+        if not lengths:
+            raise DataError(f"{dataset.source}: the {split} set has no arrays")
+        if len({n for _, n in lengths}) > 1:
+            raise DataError(f"{dataset.source}: {split} arrays differ in length (" +
+                            ", ".join(f"{name} {n}" for name, n in lengths) +
+                            "); every array needs one row per example")
+        if not lengths[0][1]:
             raise DataError(f"{dataset.source}: the {split} set is empty")
-        if np.issubdtype(images.dtype, np.inexact):
-            bad = np.flatnonzero(~np.isfinite(images.reshape(len(images), -1)).all(axis=1))
-            if len(bad):
-                raise DataError(f"{dataset.source}: {split} image {bad[0]} holds NaN or "
-                                f"infinity ({len(bad)} such images)")
+        for images in leaves(x):
+            if np.issubdtype(images.dtype, np.inexact):
+                bad = np.flatnonzero(~np.isfinite(images.reshape(len(images), -1)).all(axis=1))
+                if len(bad):
+                    raise DataError(f"{dataset.source}: {split} input {bad[0]} holds NaN or "
+                                    f"infinity ({len(bad)} such examples)")
 
 
 def check_labels(dataset, num_classes, splits=("train", "test")):
     """Raises DataError unless every label of `splits` is a class index below `num_classes`.
 
-    `num_classes` is the size of the model's output (its last axis).
+    For targets that are class indices (one integer array) against a model
+    with one output of `num_classes` values per example.
     """
     for split in splits:
-        labels = _split(dataset, split)[1]
+        labels = dataset.split(split)[1]
         if not np.issubdtype(labels.dtype, np.integer):
             raise DataError(f"{dataset.source}: {split} labels are {labels.dtype}; "
                             "class labels must be integers")
@@ -206,10 +257,6 @@ def check_labels(dataset, num_classes, splits=("train", "test")):
             raise DataError(f"{dataset.source}: {split} label {labels.flat[bad[0]]} (example "
                             f"{bad[0]}) is not a class of the model, which has {num_classes} "
                             f"(0..{num_classes - 1}); {len(bad)} labels are out of range")
-
-
-def _split(dataset, split):
-    return getattr(dataset, f"{split}_images"), getattr(dataset, f"{split}_labels")
 
 
 def eval_steps(num_examples, global_batch_size):
@@ -223,35 +270,40 @@ def steps_per_epoch(num_examples, global_batch_size, limit=None):
     return steps if limit is None else min(steps, limit)
 
 
-def train_batches(images, labels, global_batch_size, *, seed, epoch, steps,
+def train_batches(x, y, sample_weight, global_batch_size, *, seed, epoch, steps,
                   start_step=0, shard=(0, 1)):
-    """Yields the shuffled global batches of one epoch as (x, y, weights).
+    """Yields the shuffled global batches of one epoch as (x, y, sample_weight, mask).
 
     The order depends only on (seed, epoch), so a resumed run sees the same
     batches as an uninterrupted one. `shard=(index, count)` yields only this
     process's contiguous slice of each global batch.
     """
-    order = np.random.default_rng([seed, epoch]).permutation(len(images))
+    order = np.random.default_rng([seed, epoch]).permutation(num_examples(x))
     index, count = shard
     local = global_batch_size // count
     for step in range(start_step, steps):
         idx = order[step * global_batch_size:(step + 1) * global_batch_size]
         idx = idx[index * local:(index + 1) * local]
-        yield images[idx], labels[idx], np.ones(len(idx), np.float32)
+        take = lambda a: a[idx]  # noqa: E731
+        yield (map_arrays(take, x), map_arrays(take, y), map_arrays(take, sample_weight),
+               np.ones(len(idx), np.float32))
 
 
-def eval_batches(images, labels, global_batch_size, shard=(0, 1)):
-    """Yields every example once in fixed-shape batches; padding has weight 0."""
+def eval_batches(x, y, sample_weight, global_batch_size, shard=(0, 1)):
+    """Yields every example once in fixed-shape batches; padding has mask 0."""
     index, count = shard
     local = global_batch_size // count
-    for start in range(0, len(images), global_batch_size):
-        x = images[start:start + global_batch_size]
-        y = labels[start:start + global_batch_size]
-        w = np.ones(len(x), np.float32)
-        pad = global_batch_size - len(x)
-        if pad:
-            x = np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)])
-            y = np.concatenate([y, np.zeros(pad, y.dtype)])
-            w = np.concatenate([w, np.zeros(pad, np.float32)])
-        part = slice(index * local, (index + 1) * local)
-        yield x[part], y[part], w[part]
+    for start in range(0, num_examples(x), global_batch_size):
+        rows = slice(start, start + global_batch_size)
+        real = len(leaves(x)[0][rows])
+        pad = global_batch_size - real
+
+        def part(a):
+            a = a[rows]
+            if pad:
+                a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
+            return a[index * local:(index + 1) * local]
+
+        mask = np.concatenate([np.ones(real, np.float32), np.zeros(pad, np.float32)])
+        yield (map_arrays(part, x), map_arrays(part, y), map_arrays(part, sample_weight),
+               mask[index * local:(index + 1) * local])

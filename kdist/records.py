@@ -7,28 +7,32 @@ holds a `Position` (`as_metadata` / `from_metadata`), the metrics files and
 
 import dataclasses
 
+import numpy as np
+
 
 @dataclasses.dataclass(frozen=True)
 class EpochRecord:
-    """One epoch's results; accuracies in percent."""
+    """One epoch's results: "loss" and each metric by its Keras name, for train and test."""
 
     epoch: int  # Counted from 1.
-    train_loss: float
-    train_accuracy: float
-    test_loss: float
-    test_accuracy: float
+    train: dict
+    test: dict
     seconds: float | None  # Its training time; None if all of it was trained before a resume.
     samples_per_sec: float | None
 
     def as_dict(self):
-        return dataclasses.asdict(self)
+        """{"epoch", "train_<name>"..., "test_<name>"..., "seconds", "samples_per_sec"}."""
+        return dict(epoch=self.epoch, **{f"train_{k}": v for k, v in self.train.items()},
+                    **{f"test_{k}": v for k, v in self.test.items()},
+                    seconds=self.seconds, samples_per_sec=self.samples_per_sec)
 
     @classmethod
     def from_dict(cls, values):
-        return cls(**{key: values[key] for key in EPOCH_KEYS})
+        def part(prefix):
+            return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
 
-
-EPOCH_KEYS = tuple(field.name for field in dataclasses.fields(EpochRecord))
+        return cls(values["epoch"], part("train_"), part("test_"), values["seconds"],
+                   values["samples_per_sec"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +41,7 @@ class Position:
 
     epoch: int = 0  # The epoch in progress, counted from 0.
     step_in_epoch: int = 0  # Its steps done.
-    totals: dict | None = None  # Their summed statistics (`kdist.losses.STATISTICS`).
+    totals: dict | None = None  # Their summed statistics (`kdist.steps`), arrays by key.
     history: tuple = ()  # The `EpochRecord`s of the epochs done.
 
     def global_step(self, steps_per_epoch):
@@ -45,7 +49,9 @@ class Position:
         return self.epoch * steps_per_epoch + self.step_in_epoch
 
     def as_metadata(self):
-        return dict(epoch=self.epoch, step_in_epoch=self.step_in_epoch, totals=self.totals,
+        totals = None if self.totals is None else {
+            key: np.asarray(value).tolist() for key, value in self.totals.items()}
+        return dict(epoch=self.epoch, step_in_epoch=self.step_in_epoch, totals=totals,
                     history=[record.as_dict() for record in self.history])
 
     @classmethod

@@ -10,7 +10,6 @@ import keras
 import kdist
 from kdist import checks
 from kdist.errors import MetricsError
-from kdist.records import EPOCH_KEYS
 
 
 
@@ -34,10 +33,34 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
             f"; --steps-per-execution {config.steps_per_execution} capped at {chunk}, the "
             "steps of an epoch" if chunk is not None and chunk < config.steps_per_execution
             else ""),
-        f"Data: {dataset.source} ({len(dataset.train_images):,} train, "
-        f"{len(dataset.test_images):,} test examples)",
+        f"Data: {dataset.source} ({dataset.size('train'):,} train, "
+        f"{dataset.size('test'):,} test examples)",
         f"Checkpoints: {os.path.abspath(config.checkpoint_dir)}, {checkpoint_note}",
     ])
+
+
+def format_results(results, prefix=""):
+    """"Loss: 0.3012, Accuracy: 89.10%, auc: 0.9712" for {"loss": ..., ...}.
+
+    Accuracy-type metrics (their name ends in "accuracy") read as percent, as
+    in the tutorial; the others keep their Keras name and value. `prefix`
+    ("test_") selects and strips the keys of one split; its name leads
+    each label.
+    """
+    lead = prefix.rstrip("_").capitalize() + " " if prefix else ""
+    parts = []
+    for key, value in results.items():
+        if not key.startswith(prefix) or not isinstance(value, float):
+            continue
+        name = key[len(prefix):]
+        if name == "loss":
+            parts.append(f"{lead}Loss: {value:.4f}")
+        elif name.endswith("accuracy"):
+            label = name.replace("_", " ").capitalize()
+            parts.append(f"{lead}{label}: {100 * value:.2f}%")
+        else:
+            parts.append(f"{lead}{name}: {value:.4f}")
+    return ", ".join(parts)
 
 
 def format_epoch(record, epochs):
@@ -48,9 +71,9 @@ def format_epoch(record, epochs):
     """
     speed = ("trained before the resume" if record.seconds is None else
              f"{record.seconds:.1f} s, {record.samples_per_sec:,.0f} samples/s")
-    return (f"Epoch {record.epoch}/{epochs}, Loss: {record.train_loss:.4f}, "
-            f"Accuracy: {record.train_accuracy:.2f}%, Test Loss: {record.test_loss:.4f}, "
-            f"Test Accuracy: {record.test_accuracy:.2f}% ({speed})")
+    return (f"Epoch {record.epoch}/{epochs}, {format_results(record.train)}, "
+            f"{format_results({f'test_{k}': v for k, v in record.test.items()}, 'test_')} "
+            f"({speed})")
 
 
 class MetricsWriter:
@@ -65,11 +88,11 @@ class MetricsWriter:
     writes nothing. A failed write raises `MetricsError`.
     """
 
-    CSV_COLUMNS = ("epoch",) + tuple(sorted(k for k in EPOCH_KEYS if k != "epoch"))
-
-    def __init__(self, path):
+    def __init__(self, path, metric_names=("loss", "accuracy")):
         self.path = path
         self.csv_path = checks.metrics_csv_path(path) if path else None
+        keys = [f"{split}_{name}" for split in ("train", "test") for name in metric_names]
+        self.csv_columns = ("epoch",) + tuple(sorted(keys + ["seconds", "samples_per_sec"]))
 
     def start(self, history):
         """Replaces both files with `history`, the `EpochRecord`s of the epochs done so far."""
@@ -92,9 +115,10 @@ class MetricsWriter:
     def _csv_line(self, record):
         """The CSV row of `record`; the header row for None."""
         buffer = io.StringIO()
-        csv.writer(buffer).writerow(self.CSV_COLUMNS if record is None else
+        values = None if record is None else record.as_dict()
+        csv.writer(buffer).writerow(self.csv_columns if record is None else
                                     [record.epoch - 1] +
-                                    [getattr(record, k) for k in self.CSV_COLUMNS[1:]])
+                                    [values.get(k) for k in self.csv_columns[1:]])
         return buffer.getvalue()
 
     def _append(self, path, text):

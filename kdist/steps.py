@@ -1,7 +1,9 @@
-"""Running a backend's compiled chunks over NumPy batches, and the statistics they return.
+"""Running a backend's compiled chunks over NumPy batches, and adding up what they return.
 
 The loop (`kdist.training`) and the benchmarks call these; the engine
-(`kdist.engines.contract.Engine`) runs each chunk.
+(`kdist.engines.contract.Engine`) runs each chunk. Statistics are the dicts
+of `kdist.step.Step`: `totals` is their sum over steps, as float64 NumPy
+arrays (as lists in a checkpoint's metadata, `kdist.records.Position`).
 """
 
 import itertools
@@ -12,55 +14,62 @@ from kdist import data
 from kdist.errors import UsageError
 
 
-def summarize(totals):
-    """Mean loss and accuracy (percent) from summed batch statistics."""
-    count = totals["count"]
-    return totals["loss_sum"] / count, 100.0 * totals["correct"] / count
+def zero_totals(step):
+    """Totals of no steps, for `step` (a `kdist.step.Step`)."""
+    return {key: np.zeros(np.shape(reset), np.float64)
+            for key, reset in zip(step.keys, [0.0] * 2 + step.reset_values)}
 
 
-def zero_totals():
-    return dict(loss_sum=0.0, correct=0.0, count=0.0)
+def totals_from_json(values, step):
+    """Totals read back from a checkpoint; None unless they fit `step`'s metrics."""
+    if values is None or set(values) != set(step.keys):
+        return None
+    totals = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    zero = zero_totals(step)
+    return totals if all(totals[k].shape == zero[k].shape for k in zero) else None
 
 
-def run_steps(engine, step_fn, batches, totals=None, on_step=None, should_stop=None,
+def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
               steps_per_execution=1):
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
     Batches go to the engine in chunks of `steps_per_execution`, one compiled
-    call each (a short last chunk is padded with zero-weight batches that the
+    call each (a short last chunk is padded with masked-out batches that the
     engine skips, so every call has the same shapes); statistics come back
     once per chunk and are then accounted step by step (`on_step(steps done,
-    step stats, totals)`). After each chunk `should_stop()` is called, on
-    every worker at the same point; when it returns true, no further chunk
-    runs. Returns (totals, steps run).
+    step stats, totals, last step of its chunk)`). After each chunk
+    `should_stop()` is called, on every worker at the same point; when it
+    returns true, no further chunk runs. Returns (totals, steps run).
     """
-    totals = zero_totals() if totals is None else dict(totals)
+    totals = {k: np.array(v, np.float64) for k, v in totals.items()}
     done = 0
     for chunk in _chunks(batches, steps_per_execution):
         for batch in chunk:  # This worker's part of a global batch, over its replicas.
-            if len(batch[0]) % engine.num_local_replicas:
-                raise UsageError(f"a batch of {len(batch[0])} does not split evenly across "
+            if len(batch[3]) % engine.num_local_replicas:
+                raise UsageError(f"a batch of {len(batch[3])} does not split evenly across "
                                  f"{engine.num_local_replicas} replicas; use a global batch "
                                  f"size that is a multiple of {engine.num_replicas}")
-        padding = (chunk[-1][0], chunk[-1][1], np.zeros_like(chunk[-1][2]))
+        x, y, sample_weight, mask = chunk[-1]
+        padding = (x, y, sample_weight, np.zeros_like(mask))
         padded = stack_chunk(chunk + [padding] * (steps_per_execution - len(chunk)))
         per_step = {k: np.asarray(v) for k, v in
                     step_fn(engine.distribute(padded), len(chunk)).items()}
         for i in range(len(chunk)):
-            stats = {k: float(v[i]) for k, v in per_step.items()}
+            stats = {k: v[i] for k, v in per_step.items()}
             for key in totals:
                 totals[key] += stats[key]
             done += 1
             if on_step is not None:
-                on_step(done, stats, totals)
+                on_step(done, stats, totals, i == len(chunk) - 1)
         if should_stop is not None and should_stop():
             break
     return totals, done
 
 
 def stack_chunk(batches):
-    """K numpy batches of (x, y, weights) -> (x, y, weights) of shape (K, batch, ...)."""
-    return tuple(np.stack(parts) for parts in zip(*batches))
+    """K batches of (x, y, sample_weight, mask) -> one of arrays shaped (K, batch, ...)."""
+    return tuple(data.map_arrays(lambda *arrays: np.stack(arrays), *parts)
+                 for parts in zip(*batches))
 
 
 def _chunks(iterable, size):
@@ -69,14 +78,15 @@ def _chunks(iterable, size):
         yield chunk
 
 
-def evaluate(engine, images, labels, global_batch_size, steps_per_execution=1):
-    """(loss, accuracy %) over every example of (images, labels).
+def evaluate(engine, step, x, y, sample_weight, global_batch_size,
+             steps_per_execution=1):
+    """{"loss": ..., each metric: ...} over every example of (x, y, sample_weight).
 
     A compiled call runs at most as many steps as there are batches.
     """
-    chunk = min(steps_per_execution, data.eval_steps(len(images), global_batch_size))
+    chunk = min(steps_per_execution, data.eval_steps(data.num_examples(x), global_batch_size))
     totals, _ = run_steps(engine, engine.eval_chunk,
-                          data.eval_batches(images, labels, global_batch_size,
+                          data.eval_batches(x, y, sample_weight, global_batch_size,
                                             shard=engine.shard),
-                          steps_per_execution=chunk)
-    return summarize(totals)
+                          zero_totals(step), steps_per_execution=chunk)
+    return step.results(totals)

@@ -13,53 +13,98 @@ import time
 
 import keras
 
+import numpy as np
+
 from kdist import checkpoints, checks, data, engines, interrupt, losses, records, reporting
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.model import create_model
-from kdist.steps import evaluate, run_steps, summarize
+from kdist.step import Step, build_metrics
+from kdist.steps import evaluate, run_steps, totals_from_json, zero_totals
 
 
-def build(engine, model_fn, optimizer_fn, learning_rate):
-    """Creates model and optimizer in the engine's scope.
+DEFAULT_LEARNING_RATE = 1e-3  # Of the optimizers kdist builds (--optimizer).
 
-    The optimizer is built eagerly in scope (on TF, building it later inside a
-    replica function fails with 2+ replicas, keras#23085) and compiled into
-    the model, so that `save_weights` writes and `load_weights` restores its
-    state (iteration count, moments) with the weights.
+
+def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
+          compute_loss=None, sample=None, train=True):
+    """Creates the compiled model in the engine's scope; returns (model, optimizer).
+
+    A model that `model_fn` returns compiled (optimizer, loss, metrics, as
+    for `fit`) is used as it is. An uncompiled one is compiled here with
+    `optimizer_fn(learning_rate)` (default Adam; none when `train` is
+    false), `loss_fn` (default sparse cross-entropy from logits) and the
+    accuracy metric. The optimizer is built eagerly in scope (on TF,
+    building it later inside a replica function fails with 2+ replicas,
+    keras#23085), so `save_weights` writes and `load_weights` restores its
+    state with the weights. `sample`, a few (x, y) rows, builds the
+    compiled loss and metrics (`kdist.step.build`).
     """
     with engine.scope():
         model = model_fn()
-        optimizer = optimizer_fn(learning_rate) if optimizer_fn else None
+        if model.compiled:
+            if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:
+                raise UsageError(
+                    "model_fn returned a compiled model: its optimizer, learning rate and "
+                    "loss are used, so optimizer_fn, loss_fn and learning_rate must be None")
+        else:
+            optimizer = (optimizer_fn or adam)(learning_rate or DEFAULT_LEARNING_RATE) \
+                if train else None
+            if loss_fn is None and compute_loss is None:
+                loss_fn = losses.sparse_categorical_crossentropy
+            model.compile(optimizer=optimizer, loss=loss_fn, metrics=["accuracy"])
+        if train and model.optimizer is None:
+            raise UsageError("the compiled model has no optimizer; compile it with one")
+        optimizer = model.optimizer
         if optimizer is not None:
             optimizer.build(model.trainable_variables)
-            model.compile(optimizer=optimizer)
+        if sample is not None:
+            build_metrics(model, *sample)
     return model, optimizer
 
 
-def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=adam,
-                       loss_fn=losses.sparse_categorical_crossentropy, log=print,
-                       stop=None):
+def prepare_model(engine, global_batch_size, sample, model_fn=create_model, optimizer_fn=None,
+                  learning_rate=None, loss_fn=None, compute_loss=None, train=True):
+    """`build`, then the model's `Step`: returns (model, step).
+
+    `sample` is a few (x, y, sample_weight) rows (`sample_rows`). Restore a
+    checkpoint, if any, before `engine.compile_steps(step, model.optimizer)`:
+    an engine may take the variables' values when it compiles.
+    """
+    model, _ = build(engine, model_fn, optimizer_fn, learning_rate, loss_fn,
+                     compute_loss, sample=sample, train=train)
+    return model, Step(model, global_batch_size, compute_loss)
+
+
+def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=None,
+                       loss_fn=None, compute_loss=None, log=print, stop=None):
     """Trains data-parallel, checkpoints, restores without distribution, evaluates.
 
     Args:
         config: a `TrainConfig`.
-        dataset: a `kdist.data.Dataset` (NumPy arrays of any shapes).
-        model_fn: builds the Keras model (called in the engine's scope).
-        optimizer_fn: maps the learning rate to a Keras optimizer.
-        loss_fn: (labels, predictions) -> per-example losses, shape (batch,).
+        dataset: a `kdist.data.Dataset` (NumPy arrays, or tuples/dicts of them).
+        model_fn: builds the Keras model (called in the engine's scope),
+            compiled as for `fit` or not (see `build`).
+        optimizer_fn: for an uncompiled model: learning rate -> Keras
+            optimizer (default Adam).
+        loss_fn: for an uncompiled model: (y_true, y_pred) -> per-example
+            losses (default sparse cross-entropy from logits).
+        compute_loss: your own loss, `fn(model, x, y, training) ->
+            (per-example losses, y_pred)` (see `kdist.step`); the compiled
+            loss is then not used, the compiled metrics still are.
         log: called with each line to print.
         stop: if it becomes true (e.g. a `kdist.interrupt.StopRequest`),
             training ends after the current chunk of steps with a checkpoint
             and `Interrupted`. With several workers, every worker stops
             after the same step when any one's `stop` is true.
 
-    Returns a dict with `history` (one record per epoch) and `restored` (the
+    Returns a dict with `history` (one record per epoch: `train_loss`,
+    `test_loss`, and train_/test_ each metric) and `restored` (the
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     checks.check_config(config)
     data.check_dataset(dataset)
-    run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn)
+    run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss)
     try:
         return _train(run, log, interrupt.AgreedStop(stop, run.engine))
     finally:
@@ -77,7 +122,8 @@ def _train(run, log, stop):
         log = _quiet
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
                          run.train_chunk))
-    metrics = reporting.MetricsWriter(config.metrics_file if chief else None)
+    metrics = reporting.MetricsWriter(config.metrics_file if chief else None,
+                                      run.step.metric_names())
     position = run.position
     metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
     while position.epoch < config.epochs:
@@ -98,9 +144,10 @@ def _train(run, log, stop):
         return {"history": history, "restored": None}
     latest = run.manager.latest()
     restored = evaluate_checkpoint(latest[0], dataset, run.model_fn, run.loss_fn,
-                                   run.global_batch, config.steps_per_execution)
-    log(f"Accuracy after restoring {latest[0]} without distribution: "
-        f"{restored['test_accuracy']:.2f}%")
+                                   run.compute_loss, run.global_batch,
+                                   config.steps_per_execution)
+    log(f"After restoring {latest[0]} without distribution: "
+        f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
     return {"history": history, "restored": restored}
 
@@ -120,17 +167,17 @@ def _interrupted(stop, position, path):
 
 
 class _Run:
-    """One training run's engine, model, checkpoints and starting position."""
+    """One training run's engine, model, step, checkpoints and starting position."""
 
-    def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn):
+    def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss):
         self.config, self.dataset = config, dataset
-        self.model_fn, self.loss_fn = model_fn, loss_fn
+        self.model_fn, self.loss_fn, self.compute_loss = model_fn, loss_fn, compute_loss
         self.engine = engines.create_engine(config.replicas)
         self.global_batch = config.batch_size_per_replica * self.engine.num_replicas
-        self.steps = data.steps_per_epoch(len(dataset.train_images), self.global_batch,
-                                          config.steps_per_epoch)
+        train_size = dataset.size("train")
+        self.steps = data.steps_per_epoch(train_size, self.global_batch, config.steps_per_epoch)
         if self.steps == 0:
-            raise UsageError(f"{len(dataset.train_images)} training examples make no full "
+            raise UsageError(f"{train_size} training examples make no full "
                              f"global batch of {self.global_batch}; lower "
                              "--batch-size-per-replica")
         self.train_chunk = min(config.steps_per_execution, self.steps)  # Compiled steps.
@@ -139,11 +186,14 @@ class _Run:
             self.manager.prepare(lock=True, break_lock=config.break_lock)
         try:
             keras.utils.set_random_seed(config.seed)
-            self.model, optimizer = build(self.engine, model_fn, optimizer_fn,
-                                          config.learning_rate)
-            data.check_labels(dataset, self.model.output_shape[-1])
-            self.position, self.note = _resume_position(config, self.manager, self.model)
-            self.engine.compile_steps(self.model, optimizer, self.global_batch, loss_fn)
+            self.model, self.step = prepare_model(
+                self.engine, self.global_batch,
+                sample_rows(dataset, self.global_batch // self.engine.shard[1]), model_fn,
+                optimizer_fn, config.learning_rate, loss_fn, compute_loss)
+            _check_labels(dataset, self.model)
+            self.position, self.note = _resume_position(config, self.manager, self.model,
+                                                        self.step)
+            self.engine.compile_steps(self.step, self.model.optimizer)
         except BaseException:
             self.manager.release()
             raise
@@ -157,23 +207,23 @@ class _Run:
         """
         epoch, first_step = position.epoch, position.step_in_epoch
         start = time.perf_counter()
+        x, y, sample_weight = self.dataset.split("train")
         batches = data.train_batches(
-            self.dataset.train_images, self.dataset.train_labels, self.global_batch,
-            seed=self.config.seed, epoch=epoch, steps=self.steps, start_step=first_step,
-            shard=self.engine.shard)
-        on_step = _step_callback(self.config, epoch, first_step, self.steps, self.global_batch)
-        totals, done = run_steps(self.engine, self.engine.train_chunk, batches,
-                                 position.totals, on_step, stop.poll, self.train_chunk)
+            x, y, sample_weight, self.global_batch, seed=self.config.seed, epoch=epoch,
+            steps=self.steps, start_step=first_step, shard=self.engine.shard)
+        on_step = _step_callback(self.config, self.step, epoch, first_step, self.steps,
+                                 self.global_batch)
+        totals = position.totals if position.totals is not None else zero_totals(self.step)
+        totals, done = run_steps(self.engine, self.engine.train_chunk, batches, totals,
+                                 on_step, stop.poll, self.train_chunk)
         if first_step + done < self.steps:
             return dataclasses.replace(position, step_in_epoch=first_step + done,
                                        totals=totals), None
         seconds = time.perf_counter() - start if done else None  # None: all trained before.
-        train_loss, train_accuracy = summarize(totals)
-        test_loss, test_accuracy = evaluate(
-            self.engine, self.dataset.test_images, self.dataset.test_labels,
-            self.global_batch, self.config.steps_per_execution)
+        test = evaluate(self.engine, self.step, *self.dataset.split("test"),
+                        self.global_batch, self.config.steps_per_execution)
         record = records.EpochRecord(
-            epoch + 1, train_loss, train_accuracy, test_loss, test_accuracy, seconds,
+            epoch + 1, self.step.results(totals), test, seconds,
             done * self.global_batch / seconds if done else None)
         return records.Position(epoch + 1, 0, None, position.history + (record,)), record
 
@@ -192,7 +242,7 @@ def _quiet(line):
     """The log of a worker other than the chief."""
 
 
-def _resume_position(config, manager, model):
+def _resume_position(config, manager, model, step):
     """Restores the newest checkpoint unless told not to.
 
     Returns (the `Position` to start from, a note for the banner).
@@ -205,46 +255,70 @@ def _resume_position(config, manager, model):
         return records.Position(), "starting fresh"
     path, meta = latest
     checkpoints.restore(model, path, meta)
-    if model.optimizer is not None:
+    if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
         model.optimizer.learning_rate.assign(config.learning_rate)
+    position = records.Position.from_metadata(meta)
+    if position.step_in_epoch:
+        totals = totals_from_json(position.totals, step)
+        if totals is None:
+            raise UsageError(f"{path} stops in the middle of epoch {position.epoch + 1} and "
+                             "its statistics do not fit this model's metrics; resume with "
+                             "the metrics it was written with, or --no-resume")
+        position = dataclasses.replace(position, totals=totals)
     where = (f"epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}"
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
-    return records.Position.from_metadata(meta), (
+    return position, (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
         f"with {meta['replicas']} replica(s))")
 
 
-def _step_callback(config, epoch, first_step, steps_per_epoch, global_batch):
-    """Checks every step's loss and drives the progress bar."""
-    progbar = keras.utils.Progbar(steps_per_epoch, stateful_metrics=["loss", "accuracy", "samples/s"]) \
+def _step_callback(config, step, epoch, first_step, steps_per_epoch, global_batch):
+    """Checks every step's loss and drives the progress bar (updated once per chunk)."""
+    progbar = keras.utils.Progbar(
+        steps_per_epoch, stateful_metrics=list(step.metric_names()) + ["samples/s"]) \
         if config.progress else None
     start = time.perf_counter()
 
-    def on_step(done, stats, totals):
-        step = first_step + done
+    def on_step(done, stats, totals, chunk_end):
+        step_in_epoch = first_step + done
         if not math.isfinite(float(stats["loss_sum"])):
             raise TrainingError(
-                f"non-finite loss at epoch {epoch + 1}, step {step}; stopping. "
+                f"non-finite loss at epoch {epoch + 1}, step {step_in_epoch}; stopping. "
                 "Checkpoints written before stay valid; try a lower --learning-rate")
-        if progbar is not None:
-            loss, accuracy = summarize(totals)
+        if progbar is not None and chunk_end:
             rate = round(done * global_batch / (time.perf_counter() - start))
-            progbar.update(step, [("loss", loss), ("accuracy", accuracy), ("samples/s", rate)])
+            progbar.update(step_in_epoch, list(step.results(totals).items())
+                           + [("samples/s", rate)])
 
     return on_step
 
 
-def evaluate_checkpoint(path, dataset, model_fn=create_model,
-                        loss_fn=losses.sparse_categorical_crossentropy,
+def sample_rows(dataset, rows):
+    """The first `rows` training examples, (x, y, sample_weight), to build the metrics."""
+    return tuple(data.map_arrays(lambda a: a[:rows], part) for part in dataset.split("train"))
+
+
+def _check_labels(dataset, model, splits=("train", "test")):
+    """Checks class-index targets against a one-output classifier's class count."""
+    labels, shape = dataset.train_y, model.output_shape
+    if (isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer)
+            and isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1):
+        data.check_labels(dataset, shape[-1], splits)
+
+
+def evaluate_checkpoint(path, dataset, model_fn=create_model, loss_fn=None, compute_loss=None,
                         batch_size=TrainConfig.batch_size_per_replica,
                         steps_per_execution=TrainConfig.steps_per_execution):
-    """Restores `path` into a fresh model with no distribution and evaluates it."""
+    """Restores `path` into a fresh model with no distribution and evaluates it.
+
+    Returns {"restored": True, "checkpoint": path, "test_loss": ..., and
+    test_ each metric}.
+    """
     engine = engines.create_engine(distributed=False)
-    model, _ = build(engine, model_fn, None, None)
+    model, step = prepare_model(engine, batch_size, sample_rows(dataset, batch_size), model_fn,
+                                loss_fn=loss_fn, compute_loss=compute_loss, train=False)
     checkpoints.restore(model, path)
-    data.check_labels(dataset, model.output_shape[-1], splits=("test",))
-    engine.compile_steps(model, None, batch_size, loss_fn)
-    test_loss, test_accuracy = evaluate(
-        engine, dataset.test_images, dataset.test_labels, batch_size, steps_per_execution)
-    return dict(restored=True, checkpoint=path, test_loss=test_loss,
-                test_accuracy=test_accuracy)
+    _check_labels(dataset, model, splits=("test",))
+    engine.compile_steps(step, model.optimizer)
+    results = evaluate(engine, step, *dataset.split("test"), batch_size, steps_per_execution)
+    return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})

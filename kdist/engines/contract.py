@@ -5,24 +5,30 @@ sits behind this interface, one module per backend (`kdist/engines/<name>.py`,
 class `Engine`). The division of work:
 
 - The loop (`kdist.training`) makes fixed-shape NumPy batches
-  `(inputs, labels, weights)`, groups K of them into a chunk, pads a short
-  last chunk with zero-weight batches, and stacks each part to shape
-  (K, batch, ...) (`kdist.steps.stack_chunk`). It accounts statistics step by
-  step, decides when to checkpoint and when to stop.
+  `(x, y, sample_weight, mask)` (x and y: arrays or tuples/dicts of them),
+  groups K of them into a chunk, pads a short last chunk with masked-out
+  batches, and stacks every array to shape (K, batch, ...)
+  (`kdist.steps.stack_chunk`). It accounts statistics step by step, decides
+  when to checkpoint and when to stop.
+- The step's math (`kdist.step.Step`: forward pass, loss, its share of the
+  global batch, metrics) is one backend-agnostic function of the
+  variables' values and a batch.
 - The engine places a stacked chunk on its replicas (`distribute`), runs
   the chunk's first `num_steps` steps in one compiled call (`train_chunk`,
-  `eval_chunk`; the rest is padding, so every call has one shape), and
-  returns each step's statistics summed over all replicas.
+  `eval_chunk`; the rest is padding, so every call has one shape): it
+  differentiates the step's loss, sums the gradients over replicas, lets
+  the optimizer apply the sum, keeps the non-trainable updates, and returns
+  each step's statistics summed over all replicas.
 
-Statistics are the dict of `kdist.losses.batch_statistics`: for each key of
-`kdist.losses.STATISTICS`, a 1-D array whose first `num_steps` values are
-the steps' (any values after them belong to padding and are ignored).
+Statistics are the dict of `Step.loss_and_updates`, keyed by `Step.keys`:
+per key, an array whose first axis holds the `num_steps` steps' values
+(any values after them belong to padding and are ignored).
 
 `tests/test_engines.py` checks every installed engine against this class.
 """
 
 import contextlib
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @runtime_checkable
@@ -51,19 +57,19 @@ class Engine(Protocol):
     def scope(self) -> contextlib.AbstractContextManager:
         """The context in which the model, optimizer and variables must be created."""
 
-    def compile_steps(self, model: Any, optimizer: Any, global_batch_size: int,
-                      loss_fn: Callable) -> None:
-        """Builds the train and eval chunk functions for `model`.
+    def compile_steps(self, step: Any, optimizer: Any) -> None:
+        """Builds the train and eval chunk functions of `step`, a `kdist.step.Step`.
 
-        `optimizer` (None for evaluation only) must already be built.
-        `loss_fn(labels, predictions)` gives per-example losses; the loss a
-        replica differentiates is their weighted sum / `global_batch_size`
-        (`kdist.losses.scale_loss`), and gradients are summed over replicas.
+        `optimizer` (None for evaluation only) must already be built. Each
+        program calls `step.loss_and_updates` with the share of the global
+        batch it sees; the gradients of those losses are summed over the
+        replicas before the optimizer sees them (so clipping and
+        accumulation act on the global gradient).
         """
 
     def distribute(self, stacked: tuple) -> Any:
-        """Places a stacked chunk, NumPy arrays of shape (K, local batch, ...),
-        on this process's replicas, split along the batch axis."""
+        """Places a stacked chunk, a structure of NumPy arrays of shape (K, local
+        batch, ...), on this process's replicas, split along the batch axis."""
 
     def train_chunk(self, chunk: Any, num_steps: int) -> dict:
         """Runs the first `num_steps` optimizer steps of a distributed chunk in

@@ -11,7 +11,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kdist import losses
 from kdist.errors import UsageError
 
 
@@ -88,29 +87,28 @@ class Engine:
         """Context in which the model, optimizer and variables must be created."""
         return self.distribution.scope() if self.distribution else contextlib.nullcontext()
 
-    def compile_steps(self, model, optimizer, global_batch_size, loss_fn):
-        """Takes the model's state as arrays and jits the two chunk functions;
-        `optimizer` must already be built."""
-        self.model, self.optimizer = model, optimizer
+    def compile_steps(self, step, optimizer):
+        """Takes the model's state as arrays and jits the two chunk functions
+        of `step` (a `kdist.step.Step`); `optimizer` (None: evaluation only)
+        must already be built.
+
+        The program sees the whole sharded global batch, so the step's
+        loss is the global-batch loss (share 1) and its gradients are
+        already summed over devices (XLA all-reduces them).
+        """
+        self.model, self.optimizer = step.model, optimizer
         self._read_state()
 
         def compute(trainable, non_trainable, batch, training):
-            updated = []
-
-            def model_call(images, training):
-                logits, new_non_trainable = model.stateless_call(
-                    trainable, non_trainable, images, training=training)
-                updated.append(new_non_trainable)
-                return logits
-
-            loss, stats = losses.forward(model_call, batch, global_batch_size, loss_fn, training)
-            return loss, (stats, updated[0])
+            return step.loss_and_updates(trainable, non_trainable, batch, training)
 
         def train_step(state, batch):
             trainable, non_trainable, opt_vars = state
             grad_fn = jax.value_and_grad(compute, has_aux=True)
-            (_, (stats, non_trainable)), grads = grad_fn(trainable, non_trainable, batch, True)
+            (_, (stats, updated)), grads = grad_fn(trainable, non_trainable, batch, True)
             trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
+            non_trainable = [old if new is None else new
+                             for old, new in zip(non_trainable, updated)]
             return (trainable, non_trainable, opt_vars), stats
 
         def eval_step(state, batch):
@@ -121,7 +119,7 @@ class Engine:
         # Each step is jitted on its own, so it is traced once and called K
         # times in the chunk's program (faster tracing and compiling).
         self._train_chunk = jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
-        self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step)))
+        self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), step.zero_statistics))
 
     def _read_state(self):
         """Takes the variables' values as the state, replicated over the mesh.
@@ -142,16 +140,16 @@ class Engine:
         return (self.model.trainable_variables, self.model.non_trainable_variables, opt_vars)
 
     def distribute(self, stacked):
-        """Shards a stacked chunk, numpy arrays of (K, batch, ...), along the
-        batch axis (`P(None, 'batch')`) over the mesh.
+        """Shards a stacked chunk, a structure of numpy arrays of (K, batch,
+        ...), along the batch axis (`P(None, 'batch')`) over the mesh.
 
         `make_array_from_process_local_data` takes this process's part of the
         global batches, so the same call serves one or many processes.
         """
         if self.distribution is None:
-            return tuple(jax.numpy.asarray(a) for a in stacked)
-        return tuple(jax.make_array_from_process_local_data(self._chunk_sharding, a)
-                     for a in stacked)
+            return jax.tree.map(jax.numpy.asarray, stacked)
+        return jax.tree.map(
+            lambda a: jax.make_array_from_process_local_data(self._chunk_sharding, a), stacked)
 
     def train_chunk(self, chunk, num_steps):
         """Runs the chunk's first `num_steps` optimizer steps in one compiled call;
@@ -226,8 +224,8 @@ def _train_chunk(step):
 
     def steps(state, chunk, num_steps):
         per_step = []
-        for k in range(chunk[0].shape[0]):
-            new_state, stats = step(state, tuple(a[k] for a in chunk))
+        for k in range(_chunk_length(chunk)):
+            new_state, stats = step(state, jax.tree.map(lambda a: a[k], chunk))
             active = k < num_steps
             state = jax.tree.map(lambda new, old: jax.numpy.where(active, new, old),
                                  new_state, state)
@@ -237,7 +235,7 @@ def _train_chunk(step):
     return steps
 
 
-def _eval_chunk(step):
+def _eval_chunk(step, zero_statistics):
     """(state, stacked chunk, num_steps) -> stats stacked per step.
 
     Each batch runs under `lax.cond`, which skips the padding and, on XLA:CPU,
@@ -246,15 +244,19 @@ def _eval_chunk(step):
     """
 
     def skip(state, batch):
-        return {key: jax.numpy.zeros((), "float32") for key in losses.STATISTICS}
+        return zero_statistics()
 
     def steps(state, chunk, num_steps):
         return _stack([jax.lax.cond(k < num_steps, step, skip, state,
-                                    tuple(a[k] for a in chunk))
-                       for k in range(chunk[0].shape[0])])
+                                    jax.tree.map(lambda a: a[k], chunk))
+                       for k in range(_chunk_length(chunk))])
 
     return steps
 
 
+def _chunk_length(chunk):
+    return jax.tree.leaves(chunk)[0].shape[0]
+
+
 def _stack(per_step):
-    return {key: jax.numpy.stack([s[key] for s in per_step]) for key in losses.STATISTICS}
+    return {key: jax.numpy.stack([s[key] for s in per_step]) for key in per_step[0]}

@@ -5,7 +5,6 @@ import os
 
 import tensorflow as tf
 
-from kdist import losses
 from kdist.errors import UsageError
 
 
@@ -107,31 +106,48 @@ class Engine:
         """Context in which the model, optimizer and variables must be created."""
         return self.strategy.scope()
 
-    def compile_steps(self, model, optimizer, global_batch_size, loss_fn):
-        """Builds the two chunk functions (traced at their first call);
-        `optimizer` must already be built."""
-        self.model, self.optimizer = model, optimizer
+    def compile_steps(self, step, optimizer):
+        """Builds the two chunk functions of `step` (a `kdist.step.Step`),
+        traced at their first call; `optimizer` (None: evaluation only) must
+        already be built.
 
-        def model_call(images, training):
-            return model(images, training=training)
+        Each replica differentiates its share (1/R) of the global-batch
+        loss; kdist sums the gradients over replicas, then the optimizer
+        clips, accumulates and applies the global gradient, the same on
+        every replica (its own per-replica sum is turned off, see
+        `_apply_reduced`).
+        """
+        self.model, self.optimizer = step.model, optimizer
+        model, share = step.model, 1.0 / self.num_replicas
+        trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+        if optimizer is not None:
+            _apply_reduced(optimizer)
 
-        def replica_train_step(images, labels, weights):
+        def replica_train_step(batch):
+            context = tf.distribute.get_replica_context()
+            offsets = _seed_offsets(non_trainable, context.replica_id_in_sync_group)
             with tf.GradientTape() as tape:
-                loss, stats = losses.forward(
-                    model_call, (images, labels, weights), global_batch_size, loss_fn, True)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))  # All-reduces (SUM).
+                loss, (stats, updated) = step.loss_and_updates(
+                    [v.value for v in trainable],
+                    [v.value + o if o is not None else v.value
+                     for v, o in zip(non_trainable, offsets)], batch, True, share)
+            grads = tape.gradient(loss, [v.value for v in trainable])
+            used = [i for i, g in enumerate(grads) if g is not None]
+            summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in used])
+            optimizer.apply(summed, [trainable[i] for i in used])
+            _assign_updates(context, non_trainable, updated, offsets)
             return stats
 
-        def replica_eval_step(images, labels, weights):
-            _, stats = losses.forward(
-                model_call, (images, labels, weights), global_batch_size, loss_fn, False)
+        def replica_eval_step(batch):
+            _, (stats, _) = step.loss_and_updates(
+                [v.value for v in trainable], [v.value for v in non_trainable], batch,
+                False, share)
             return stats
 
-        self._train_chunk = self._distributed(replica_train_step)
-        self._eval_chunk = self._distributed(replica_eval_step)
+        self._train_chunk = self._distributed(replica_train_step, step.keys)
+        self._eval_chunk = self._distributed(replica_eval_step, step.keys)
 
-    def _distributed(self, replica_fn):
+    def _distributed(self, replica_fn, keys):
         """A tf.function running `replica_fn` on each step of a stacked chunk.
 
         `tf.range` makes the loop a `tf.while_loop`: one trace whatever the
@@ -141,18 +157,17 @@ class Engine:
         strategy = self.strategy
 
         def replica_fn_at(k):
-            return lambda images, labels, weights: replica_fn(images[k], labels[k], weights[k])
+            return lambda chunk: replica_fn(_map_arrays(lambda a: a[k], chunk))
 
         @tf.function
         def steps(chunk, num_steps):
-            per_step = tuple(tf.TensorArray(tf.float32, size=num_steps)
-                             for _ in losses.STATISTICS)
+            per_step = {key: tf.TensorArray(tf.float32, size=num_steps) for key in keys}
             for k in tf.range(num_steps):  # Batches from num_steps on are padding.
-                stats = strategy.run(replica_fn_at(k), args=chunk)
-                per_step = tuple(
-                    values.write(k, strategy.reduce(tf.distribute.ReduceOp.SUM, stats[key], None))
-                    for values, key in zip(per_step, losses.STATISTICS))
-            return {key: values.stack() for key, values in zip(losses.STATISTICS, per_step)}
+                stats = strategy.run(replica_fn_at(k), args=(chunk,))
+                per_step = {key: values.write(k, strategy.reduce(
+                    tf.distribute.ReduceOp.SUM, stats[key], None))
+                    for key, values in per_step.items()}
+            return {key: values.stack() for key, values in per_step.items()}
 
         return steps
 
@@ -163,14 +178,14 @@ class Engine:
         With one worker a batch is the whole global batch; with several, this
         worker's shard. Replica ids count across workers, worker by worker.
         """
-        per_replica = stacked[0].shape[1] // self.num_local_replicas
+        per_replica = tf.nest.flatten(stacked)[0].shape[1] // self.num_local_replicas
         first = self.shard[0] * self.num_local_replicas
 
         def value_fn(ctx):
             i = ctx.replica_id_in_sync_group - first
             with tf.device(self.devices[i]):
-                return tuple(tf.constant(a[:, i * per_replica:(i + 1) * per_replica])
-                             for a in stacked)
+                return _map_arrays(
+                    lambda a: tf.constant(a[:, i * per_replica:(i + 1) * per_replica]), stacked)
 
         return self.strategy.experimental_distribute_values_from_function(value_fn)
 
@@ -205,3 +220,58 @@ class Engine:
 
     def sync_to_model(self):
         """Variables are updated in place on TF: nothing to write back."""
+
+
+def _map_arrays(fn, structure):
+    """`fn` over a structure's arrays; None (no sample weights) stays None."""
+    return tf.nest.map_structure(lambda a: None if a is None else fn(a), structure)
+
+
+_SEED_STRIDE = 1_000_003  # Separates the replicas' random streams.
+
+
+def _seed_offsets(non_trainable, replica_id):
+    """Per variable, what replica `replica_id` adds to it before its step: a
+    shift of each `keras.random.SeedGenerator` state, so every replica draws
+    its own dropout masks (replica 0 draws what one device would); None for
+    other variables."""
+    def offset(variable):
+        if not variable.path.endswith("seed_generator_state"):
+            return None
+        shift = tf.cast(replica_id * _SEED_STRIDE, variable.dtype)
+        return tf.stack([shift, tf.zeros((), variable.dtype)])
+    return [offset(v) for v in non_trainable]
+
+
+def _assign_updates(context, non_trainable, updated, offsets):
+    """Writes a train step's non-trainable updates, equal on every replica.
+
+    Seed states lose their replica's shift (every replica then holds the
+    same advanced state). Other updates (BatchNormalization's moving
+    statistics) move by the mean of the replicas' changes, which for a
+    moving mean is the change the global batch's mean would make.
+    """
+    floats = [(v, new) for v, new, o in zip(non_trainable, updated, offsets)
+              if new is not None and o is None]
+    if floats:
+        changes = context.all_reduce(tf.distribute.ReduceOp.MEAN,
+                                     [new - v.value for v, new in floats])
+        for (variable, _), change in zip(floats, changes):
+            variable.assign(variable.value + change)
+    for variable, new, offset in zip(non_trainable, updated, offsets):
+        if new is not None and offset is not None:
+            variable.assign(new - offset)
+
+
+def _apply_reduced(optimizer):
+    """Makes `optimizer.apply` take gradients already summed over replicas.
+
+    Keras' TensorFlow optimizer sums the gradients over replicas inside
+    `apply`, after clipping each replica's own (so `clipnorm` would clip
+    the wrong norm); kdist sums first and turns that sum off here, so
+    clipping, accumulation and the update all see the global gradient.
+    """
+    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
+        raise RuntimeError("this Keras version's TensorFlow optimizer has no "
+                           "_all_reduce_sum_gradients; kdist cannot apply summed gradients")
+    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars

@@ -1,0 +1,181 @@
+"""One step's math, written once for every backend: the loss, its scaling, the metrics.
+
+A `Step` turns a model compiled for Keras `fit` (optimizer, loss, metrics,
+`loss_weights`, the model's own `compute_loss` / `compute_metrics`) into a
+pure function of the variables' values and a batch, which both engines
+call: `loss_and_updates(trainable, non_trainable, batch, training)`. It runs
+inside one `keras.StatelessScope`, so nothing is assigned while it traces;
+the engine differentiates the loss and applies what it returns.
+
+The loss scaling rule, for every engine: a program that sees a fraction
+`share` of the global batch (TensorFlow: one replica, 1/R of it; JAX: the
+whole sharded batch, 1) differentiates its share of the global-batch loss,
+and the engine SUMS gradients over programs. That share is:
+
+- with the compiled loss (`model.compute_loss`): what Keras computes, the
+  mean over the batch it sees (reduction "sum_over_batch_size") plus the
+  model's losses (regularizers, `add_loss`); inside a TensorFlow replica
+  Keras itself divides both by the replica count. So kdist equals `fit`.
+- with your own loss (`compute_loss=fn`, `fn(model, x, y, training) ->
+  (per-example losses, y_pred)`): kdist computes sum(sample weight x loss)
+  / GLOBAL batch + share x the model's losses.
+
+Statistics come back per step as a dict of arrays, summed over programs by
+the engine and over steps by the loop (`kdist.steps`): `loss_sum` (the
+loss times the examples it is the mean of), `count` (the real examples:
+evaluation padding has weight 0) and one entry per metric variable, the
+change the batch made to it from its reset value. Keras metrics merge by
+summing their variables (their declared `aggregation`), so the sum of the
+changes over replicas, workers and steps is the state one metric would
+hold after seeing every example once; `Step.results` reads it through the
+metrics' own `result()`.
+"""
+
+import numpy as np
+
+import keras
+from keras import ops
+
+from kdist.errors import UsageError
+
+LOSS_KEYS = ("loss_sum", "count")
+
+
+def metric_key(index):
+    return f"metric_{index:03d}"
+
+
+class Step:
+    """The pure step function of a compiled model.
+
+    Args:
+        model: a Keras model compiled with an optimizer (or none, to only
+            evaluate) and a loss unless `compute_loss` is given.
+        global_batch_size: the examples of one global batch.
+        compute_loss: None, or `fn(model, x, y, training) -> (per-example
+            losses of shape (batch,), y_pred)`, written with `keras.ops`.
+    """
+
+    def __init__(self, model, global_batch_size, compute_loss=None):
+        self.model = model
+        self.global_batch_size = global_batch_size
+        self.compute_loss = compute_loss
+        self.metrics = reported_metrics(model)
+        self.metric_variables = [v for m in self.metrics for v in m.variables]
+        for metric in self.metrics:
+            for variable in metric.variables:
+                if getattr(variable, "aggregation", "sum") != "sum":
+                    raise UsageError(
+                        f"metric {metric.name!r} has a variable aggregated by "
+                        f"{variable.aggregation!r}; kdist merges metrics over replicas and "
+                        "steps by summing their variables, as Keras' own metrics declare")
+        self.reset_values = [np.array(v.numpy())
+                             for v in self.metric_variables]
+        self.keys = LOSS_KEYS + tuple(metric_key(i) for i in range(len(self.metric_variables)))
+
+    def loss_and_updates(self, trainable, non_trainable, batch, training, share=1.0):
+        """(loss to differentiate, (statistics, new non-trainable values)).
+
+        `batch` is (x, y, sample_weight, mask): `mask` is 1 for real examples
+        and 0 for evaluation padding; `sample_weight` is the user's (None:
+        all 1). `share` is the fraction of the global batch this program
+        sees (1/replicas inside a TensorFlow replica, 1 on JAX).
+        """
+        model = self.model
+        x, y, sample_weight, mask = batch
+        weight = mask if sample_weight is None else _times(sample_weight, mask)
+        mapping = (list(zip(model.trainable_variables, trainable))
+                   + list(zip(model.non_trainable_variables, non_trainable))
+                   + [(v, ops.convert_to_tensor(r))
+                      for v, r in zip(self.metric_variables, self.reset_values)])
+        with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
+            before = [scope.get_current_value(v) for v in model.non_trainable_variables]
+            if self.compute_loss is None:
+                y_pred = model(x, training=training)
+                loss = model.compute_loss(x, y, y_pred, weight, training=training)
+                model_losses = _total(model.losses)
+                rows = ops.cast(ops.shape(mask)[0], "float32")
+                # Keras' mean over this batch, undone: the weighted sum it averages.
+                data_sum = (ops.cast(loss, "float32") / share - model_losses) * rows
+            else:
+                per_example, y_pred = self.compute_loss(model, x, y, training)
+                per_example = ops.cast(per_example, "float32")
+                model_losses = _total(model.losses)
+                data_sum = ops.sum(per_example * ops.cast(weight, "float32"))
+                loss = data_sum / self.global_batch_size + share * model_losses
+            model.compute_metrics(x, y, y_pred, weight)
+        count = ops.sum(ops.cast(mask, "float32"))
+        stats = {"loss_sum": data_sum + model_losses * count, "count": count}
+        for i, (variable, reset) in enumerate(zip(self.metric_variables, self.reset_values)):
+            value = scope.get_current_value(variable)
+            stats[metric_key(i)] = ops.cast(value, "float32") - reset.astype("float32")
+        # None where the step assigned nothing (frozen weights): engines skip those.
+        new_non_trainable = [None if new is old else new for new, old in zip(
+            (scope.get_current_value(v) for v in model.non_trainable_variables), before)]
+        return loss, (stats, new_non_trainable)
+
+    def results(self, totals):
+        """{"loss": mean loss, then each metric's Keras result by its name} of summed
+        statistics (`kdist.steps`), through the metrics' own `result()`."""
+        results = {"loss": float(totals["loss_sum"]) / float(totals["count"])}
+        mapping = [(v, (reset + np.asarray(totals[metric_key(i)])).astype(reset.dtype))
+                   for i, (v, reset) in enumerate(zip(self.metric_variables, self.reset_values))]
+        with keras.StatelessScope(state_mapping=mapping):  # Reads these; assigns nothing.
+            for metric in self.metrics:
+                value = metric.result()
+                values = value if isinstance(value, dict) else {metric.name: value}
+                results.update({k: float(np.asarray(keras.ops.convert_to_numpy(v)))
+                                for k, v in values.items()})
+        return results
+
+    def metric_names(self):
+        """"loss", then the names of the metrics' results, as `results` gives them."""
+        names = ["loss"]
+        for metric in self.metrics:
+            value = metric.result()
+            names += list(value) if isinstance(value, dict) else [metric.name]
+        return names
+
+    def zero_statistics(self):
+        """Statistics of a step that counts nothing (a skipped padding step)."""
+        shapes = [()] * len(LOSS_KEYS) + [np.shape(r) for r in self.reset_values]
+        return {key: ops.zeros(shape, "float32") for key, shape in zip(self.keys, shapes)}
+
+
+def _times(sample_weight, mask):
+    return ops.cast(sample_weight, "float32") * ops.cast(mask, "float32")
+
+
+def _total(losses):
+    """The sum of the model's losses (regularizers, `add_loss`), a float32 scalar."""
+    return sum((ops.sum(ops.cast(l, "float32")) for l in losses), ops.zeros((), "float32"))
+
+
+def reported_metrics(model):
+    """The model's metrics that kdist reports: every one but Keras' loss trackers.
+
+    kdist reports the loss itself (exact under evaluation padding); Keras'
+    trackers of the total and per-output losses count padded rows.
+    """
+    trackers = [getattr(model, "_loss_tracker", None)]
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is not None:
+        trackers += list(compile_loss.metrics)
+    return [m for m in model.metrics if not any(m is t for t in trackers)]
+
+
+def build_metrics(model, x, y, sample_weight=None):
+    """Builds the compiled loss and metrics from a few examples, then resets them.
+
+    Keras builds them at their first call; kdist makes that call eagerly,
+    before tracing, so every metric variable exists (in the engine's scope).
+    """
+    if not model.compiled:
+        raise UsageError("the model is not compiled: call model.compile(optimizer=..., "
+                         "loss=..., metrics=[...]) in model_fn, as for fit")
+    y_pred = model(x, training=False)
+    if model.loss is not None or type(model).compute_loss is not keras.Model.compute_loss:
+        model.compute_loss(x, y, y_pred, sample_weight, training=False)
+    model.compute_metrics(x, y, y_pred, sample_weight)
+    for metric in model.metrics:
+        metric.reset_state()
