@@ -1,12 +1,12 @@
 """Data sets in memory, Fashion-MNIST loading, and batching, shared by every backend.
 
-Everything here is NumPy: the engines only ever see fixed-shape global
-batches ``(x, y, sample_weight, mask)``, where x and y are an array or a
-tuple, list or dict of arrays (the model's inputs and targets),
-`sample_weight` is the user's (or None) and `mask` is 1 for a real example
-and 0 for padding. Train batches are full (the last partial batch of an
-epoch is dropped, as in the tutorial); eval batches cover every example
-exactly once, with the last batch padded and its padding masked.
+Everything here is NumPy: the engines only ever see batches ``(x, y,
+sample_weight)``, where x and y are an array or a tuple, list or dict of
+arrays (the model's inputs and targets) and `sample_weight` is the user's
+(or None). Train batches are full global batches (the last partial batch of
+an epoch is dropped, as in the tutorial); evaluation covers every example
+exactly once: full global batches, then the rest as one smaller "tail"
+batch, never padded, so every metric counts each example once.
 """
 
 import dataclasses
@@ -260,8 +260,8 @@ def check_labels(dataset, num_classes, splits=("train", "test")):
 
 
 def eval_steps(num_examples, global_batch_size):
-    """Eval batches that cover `num_examples` (the last one padded)."""
-    return -(-num_examples // global_batch_size)
+    """The full global batches of `num_examples` (the rest is one smaller tail batch)."""
+    return num_examples // global_batch_size
 
 
 def steps_per_epoch(num_examples, global_batch_size, limit=None):
@@ -272,7 +272,7 @@ def steps_per_epoch(num_examples, global_batch_size, limit=None):
 
 def train_batches(x, y, sample_weight, global_batch_size, *, seed, epoch, steps,
                   start_step=0, shard=(0, 1)):
-    """Yields the shuffled global batches of one epoch as (x, y, sample_weight, mask).
+    """Yields the shuffled global batches of one epoch as (x, y, sample_weight).
 
     The order depends only on (seed, epoch), so a resumed run sees the same
     batches as an uninterrupted one. `shard=(index, count)` yields only this
@@ -284,26 +284,28 @@ def train_batches(x, y, sample_weight, global_batch_size, *, seed, epoch, steps,
     for step in range(start_step, steps):
         idx = order[step * global_batch_size:(step + 1) * global_batch_size]
         idx = idx[index * local:(index + 1) * local]
-        take = lambda a: a[idx]  # noqa: E731
-        yield (map_arrays(take, x), map_arrays(take, y), map_arrays(take, sample_weight),
-               np.ones(len(idx), np.float32))
+        yield take_rows((x, y, sample_weight), idx)
+
+
+def take_rows(batch, rows):
+    """The `rows` (an index array or a slice) of every array of `batch`."""
+    return tuple(map_arrays(lambda a: a[rows], part) for part in batch)
 
 
 def eval_batches(x, y, sample_weight, global_batch_size, shard=(0, 1)):
-    """Yields every example once in fixed-shape batches; padding has mask 0."""
+    """Yields the full global batches of an evaluation set, in order, as (x, y,
+    sample_weight); `shard` as for `train_batches`. `eval_tail` has the rest."""
     index, count = shard
     local = global_batch_size // count
-    for start in range(0, num_examples(x), global_batch_size):
-        rows = slice(start, start + global_batch_size)
-        real = len(leaves(x)[0][rows])
-        pad = global_batch_size - real
+    for step in range(eval_steps(num_examples(x), global_batch_size)):
+        start = step * global_batch_size + index * local
+        yield take_rows((x, y, sample_weight), slice(start, start + local))
 
-        def part(a):
-            a = a[rows]
-            if pad:
-                a = np.concatenate([a, np.zeros((pad,) + a.shape[1:], a.dtype)])
-            return a[index * local:(index + 1) * local]
 
-        mask = np.concatenate([np.ones(real, np.float32), np.zeros(pad, np.float32)])
-        yield (map_arrays(part, x), map_arrays(part, y), map_arrays(part, sample_weight),
-               mask[index * local:(index + 1) * local])
+def eval_tail(x, y, sample_weight, global_batch_size):
+    """The examples after the last full global batch, whole (every worker's
+    copy), as one (x, y, sample_weight) batch; None if there are none."""
+    start = eval_steps(num_examples(x), global_batch_size) * global_batch_size
+    if start == num_examples(x):
+        return None
+    return take_rows((x, y, sample_weight), slice(start, None))

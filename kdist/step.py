@@ -22,8 +22,8 @@ and the engine SUMS gradients over programs. That share is:
 
 Statistics come back per step as a dict of arrays, summed over programs by
 the engine and over steps by the loop (`kdist.steps`): `loss_sum` (the
-loss times the examples it is the mean of), `count` (the real examples:
-evaluation padding has weight 0) and one entry per metric variable, the
+loss times the examples it is the mean of), `count` (the examples) and one
+entry per metric variable, the
 change the batch made to it from its reset value. Keras metrics merge by
 summing their variables (their declared `aggregation`), so the sum of the
 changes over replicas, workers and steps is the state one metric would
@@ -36,6 +36,7 @@ import numpy as np
 import keras
 from keras import ops
 
+from kdist.data import leaves as data_leaves
 from kdist.errors import UsageError
 
 LOSS_KEYS = ("loss_sum", "count")
@@ -62,13 +63,12 @@ class Step:
         self.compute_loss = compute_loss
         self.metrics = reported_metrics(model)
         self.metric_variables = [v for m in self.metrics for v in m.variables]
-        for metric in self.metrics:
-            for variable in metric.variables:
-                if getattr(variable, "aggregation", "sum") != "sum":
-                    raise UsageError(
-                        f"metric {metric.name!r} has a variable aggregated by "
-                        f"{variable.aggregation!r}; kdist merges metrics over replicas and "
-                        "steps by summing their variables, as Keras' own metrics declare")
+        for variable in self.metric_variables:
+            if getattr(variable, "aggregation", "sum") != "sum":
+                raise UsageError(
+                    f"metric variable {variable.path!r} is aggregated by "
+                    f"{variable.aggregation!r}; kdist merges metrics over replicas and "
+                    "steps by summing their variables, as Keras' own metrics declare")
         self.reset_values = [np.array(v.numpy())
                              for v in self.metric_variables]
         self.keys = LOSS_KEYS + tuple(metric_key(i) for i in range(len(self.metric_variables)))
@@ -76,14 +76,14 @@ class Step:
     def loss_and_updates(self, trainable, non_trainable, batch, training, share=1.0):
         """(loss to differentiate, (statistics, new non-trainable values)).
 
-        `batch` is (x, y, sample_weight, mask): `mask` is 1 for real examples
-        and 0 for evaluation padding; `sample_weight` is the user's (None:
-        all 1). `share` is the fraction of the global batch this program
-        sees (1/replicas inside a TensorFlow replica, 1 on JAX).
+        `batch` is (x, y, sample_weight), every example real (evaluation
+        never pads: `kdist.steps.evaluate`); `sample_weight` is the user's
+        (None: all 1). `share` is the fraction of the global batch this
+        program sees (1/replicas inside a TensorFlow replica, 1 on JAX).
         """
         model = self.model
-        x, y, sample_weight, mask = batch
-        weight = mask if sample_weight is None else _times(sample_weight, mask)
+        x, y, weight = batch
+        rows = ops.cast(ops.shape(data_leaves(x)[0])[0], "float32")
         mapping = (list(zip(model.trainable_variables, trainable))
                    + list(zip(model.non_trainable_variables, non_trainable))
                    + [(v, ops.convert_to_tensor(r))
@@ -94,18 +94,17 @@ class Step:
                 y_pred = model(x, training=training)
                 loss = model.compute_loss(x, y, y_pred, weight, training=training)
                 model_losses = _total(model.losses)
-                rows = ops.cast(ops.shape(mask)[0], "float32")
                 # Keras' mean over this batch, undone: the weighted sum it averages.
                 data_sum = (ops.cast(loss, "float32") / share - model_losses) * rows
             else:
                 per_example, y_pred = self.compute_loss(model, x, y, training)
                 per_example = ops.cast(per_example, "float32")
                 model_losses = _total(model.losses)
-                data_sum = ops.sum(per_example * ops.cast(weight, "float32"))
+                data_sum = ops.sum(per_example if weight is None else
+                                   per_example * ops.cast(weight, "float32"))
                 loss = data_sum / self.global_batch_size + share * model_losses
             model.compute_metrics(x, y, y_pred, weight)
-        count = ops.sum(ops.cast(mask, "float32"))
-        stats = {"loss_sum": data_sum + model_losses * count, "count": count}
+        stats = {"loss_sum": data_sum + model_losses * rows, "count": rows}
         for i, (variable, reset) in enumerate(zip(self.metric_variables, self.reset_values)):
             value = scope.get_current_value(variable)
             stats[metric_key(i)] = ops.cast(value, "float32") - reset.astype("float32")
@@ -142,26 +141,16 @@ class Step:
         return {key: ops.zeros(shape, "float32") for key, shape in zip(self.keys, shapes)}
 
 
-def _times(sample_weight, mask):
-    return ops.cast(sample_weight, "float32") * ops.cast(mask, "float32")
-
-
 def _total(losses):
     """The sum of the model's losses (regularizers, `add_loss`), a float32 scalar."""
     return sum((ops.sum(ops.cast(l, "float32")) for l in losses), ops.zeros((), "float32"))
 
 
 def reported_metrics(model):
-    """The model's metrics that kdist reports: every one but Keras' loss trackers.
-
-    kdist reports the loss itself (exact under evaluation padding); Keras'
-    trackers of the total and per-output losses count padded rows.
-    """
-    trackers = [getattr(model, "_loss_tracker", None)]
-    compile_loss = getattr(model, "_compile_loss", None)
-    if compile_loss is not None:
-        trackers += list(compile_loss.metrics)
-    return [m for m in model.metrics if not any(m is t for t in trackers)]
+    """The model's metrics that kdist reports: all but Keras' total-loss tracker,
+    which only Keras' own train step updates (kdist reports the loss itself)."""
+    tracker = getattr(model, "_loss_tracker", None)
+    return [m for m in model.metrics if m is not tracker]
 
 
 def build_metrics(model, x, y, sample_weight=None):

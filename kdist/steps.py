@@ -34,8 +34,8 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
     Batches go to the engine in chunks of `steps_per_execution`, one compiled
-    call each (a short last chunk is padded with masked-out batches that the
-    engine skips, so every call has the same shapes); statistics come back
+    call each (a short last chunk is padded with copies of its last batch
+    that the engine skips, so every call has the same shapes); statistics come back
     once per chunk and are then accounted step by step (`on_step(steps done,
     step stats, totals, last step of its chunk)`). After each chunk
     `should_stop()` is called, on every worker at the same point; when it
@@ -45,13 +45,12 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
     done = 0
     for chunk in _chunks(batches, steps_per_execution):
         for batch in chunk:  # This worker's part of a global batch, over its replicas.
-            if len(batch[3]) % engine.num_local_replicas:
-                raise UsageError(f"a batch of {len(batch[3])} does not split evenly across "
+            rows = data.num_examples(batch[0])
+            if rows % engine.num_local_replicas:
+                raise UsageError(f"a batch of {rows} does not split evenly across "
                                  f"{engine.num_local_replicas} replicas; use a global batch "
                                  f"size that is a multiple of {engine.num_replicas}")
-        x, y, sample_weight, mask = chunk[-1]
-        padding = (x, y, sample_weight, np.zeros_like(mask))
-        padded = stack_chunk(chunk + [padding] * (steps_per_execution - len(chunk)))
+        padded = stack_chunk(chunk + [chunk[-1]] * (steps_per_execution - len(chunk)))
         per_step = {k: np.asarray(v) for k, v in
                     step_fn(engine.distribute(padded), len(chunk)).items()}
         for i in range(len(chunk)):
@@ -67,7 +66,7 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
 
 
 def stack_chunk(batches):
-    """K batches of (x, y, sample_weight, mask) -> one of arrays shaped (K, batch, ...)."""
+    """K batches of (x, y, sample_weight) -> one of arrays shaped (K, batch, ...)."""
     return tuple(data.map_arrays(lambda *arrays: np.stack(arrays), *parts)
                  for parts in zip(*batches))
 
@@ -78,15 +77,23 @@ def _chunks(iterable, size):
         yield chunk
 
 
-def evaluate(engine, step, x, y, sample_weight, global_batch_size,
-             steps_per_execution=1):
-    """{"loss": ..., each metric: ...} over every example of (x, y, sample_weight).
+def evaluate(engine, step, x, y, sample_weight, global_batch_size, steps_per_execution=1):
+    """{"loss": ..., each metric: ...} over every example of (x, y, sample_weight), once.
 
-    A compiled call runs at most as many steps as there are batches.
+    Full global batches run in chunks as in training (a compiled call runs
+    at most as many steps as there are batches); the examples left over run
+    as one smaller batch (`engine.eval_whole`), so nothing is padded and
+    every metric, whatever it computes, sees exactly the evaluation set.
     """
-    chunk = min(steps_per_execution, data.eval_steps(data.num_examples(x), global_batch_size))
-    totals, _ = run_steps(engine, engine.eval_chunk,
-                          data.eval_batches(x, y, sample_weight, global_batch_size,
-                                            shard=engine.shard),
-                          zero_totals(step), steps_per_execution=chunk)
+    totals = zero_totals(step)
+    full = data.eval_steps(data.num_examples(x), global_batch_size)
+    if full:
+        totals, _ = run_steps(engine, engine.eval_chunk,
+                              data.eval_batches(x, y, sample_weight, global_batch_size,
+                                                shard=engine.shard),
+                              totals, steps_per_execution=min(steps_per_execution, full))
+    tail = data.eval_tail(x, y, sample_weight, global_batch_size)
+    if tail is not None:
+        for key, value in engine.eval_whole(tail).items():
+            totals[key] += np.asarray(value, np.float64)
     return step.results(totals)

@@ -30,9 +30,9 @@ def make_dataset_dir(folder, n_train=6, n_test=4):
 def test_loads_and_normalises_a_data_dir(tmp_path):
     folder = make_dataset_dir(tmp_path / "fm")
     ds = data.load_fashion_mnist(str(folder))
-    assert ds.train_images.shape == (6, 28, 28, 1) and ds.test_images.shape == (4, 28, 28, 1)
-    assert ds.train_images.dtype == np.float32 and 0.0 <= ds.train_images.min()
-    assert ds.train_images.max() <= 1.0 and ds.train_labels.dtype == np.int32
+    assert ds.train_x.shape == (6, 28, 28, 1) and ds.test_x.shape == (4, 28, 28, 1)
+    assert ds.train_x.dtype == np.float32 and 0.0 <= ds.train_x.min()
+    assert ds.train_x.max() <= 1.0 and ds.train_y.dtype == np.int32
     assert ds.source == str(folder)
 
 
@@ -135,18 +135,18 @@ def test_data_dir_that_is_a_file_is_named(tmp_path):
 
 
 def _corrupt(dataset, how):
-    ds = data.Dataset(dataset.train_images.copy(), dataset.train_labels.copy(),
-                      dataset.test_images.copy(), dataset.test_labels.copy(), source="toy")
+    ds = data.Dataset(dataset.train_x.copy(), dataset.train_y.copy(),
+                      dataset.test_x.copy(), dataset.test_y.copy(), source="toy")
     if how == "train label 10":
-        ds.train_labels[17] = 10
+        ds.train_y[17] = 10
     elif how == "test label -1":
-        ds.test_labels[3] = -1
+        ds.test_y[3] = -1
     elif how == "NaN":
-        ds.train_images[5, 2, 2, 0] = np.nan
+        ds.train_x[5, 2, 2, 0] = np.nan
     elif how == "fewer labels":
-        ds.train_labels = ds.train_labels[:-1]
+        ds.train_y = ds.train_y[:-1]
     elif how == "empty test set":
-        ds.test_images, ds.test_labels = ds.test_images[:0], ds.test_labels[:0]
+        ds.test_x, ds.test_y = ds.test_x[:0], ds.test_y[:0]
     return ds
 
 

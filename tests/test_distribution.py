@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 
+from helpers import prepare
 from kdist import data, engines, losses, steps, training
 from kdist.model import create_model
 
@@ -15,9 +16,8 @@ sgd = training.sgd
 def weights_after_one_step(batch, replicas, distributed=True):
     engine = engines.create_engine(replicas, distributed=distributed)
     keras.utils.set_random_seed(7)
-    model, optimizer = training.build(engine, create_model, sgd, 0.5)
+    model, _ = prepare(engine, len(batch[0]), optimizer_fn=sgd, learning_rate=0.5)
     before = [np.array(w) for w in model.get_weights()]
-    engine.compile_steps(model, optimizer, len(batch[0]), losses.sparse_categorical_crossentropy)
     stats = engine.train_chunk(engine.distribute(steps.stack_chunk([batch])), 1)
     engine.sync_to_model()
     return before, [np.array(w) for w in model.get_weights()], \
@@ -47,7 +47,7 @@ def test_a_doubled_loss_scale_would_be_caught(batch):
     # Guards the test above: scaling by half the global batch moves SGD weights
     # by far more than its tolerance.
     _, reference, _ = weights_after_one_step(batch, 1, distributed=False)
-    doubled = (batch[0], batch[1], batch[2] * 2.0)
+    doubled = (batch[0], batch[1], np.full(32, 2.0, np.float32))
     _, wrong, _ = weights_after_one_step(doubled, 1, distributed=False)
     assert max(np.abs(a - b).max() for a, b in zip(reference, wrong)) > 1e-3
 
@@ -72,7 +72,7 @@ def test_batches_are_split_across_replicas(batch, replicas):
 
 def test_variables_are_replicated_on_every_device():
     engine = engines.create_engine(4)
-    model, _ = training.build(engine, create_model, None, None)
+    model, _ = training.build(engine, create_model, train=False)
     for variable in model.weights:
         if engine.backend == "jax":
             sharding = variable.value.sharding
@@ -87,18 +87,16 @@ def test_variables_are_replicated_on_every_device():
 def test_evaluation_counts_every_example_once(small_dataset, replicas):
     engine = engines.create_engine(replicas)
     keras.utils.set_random_seed(1)
-    model, _ = training.build(engine, create_model, None, None)
     global_batch = 16 * replicas  # 1,001 is a multiple of none of 16, 32, 64.
-    engine.compile_steps(model, None, global_batch, losses.sparse_categorical_crossentropy)
-    images, labels = small_dataset.test_images, small_dataset.test_labels
-    totals, _ = steps.run_steps(engine, engine.eval_chunk,
-                                   data.eval_batches(images, labels, global_batch),
-                                   steps_per_execution=3)  # Chunks of 3, a shorter last one.
+    model, step = prepare(engine, global_batch, train=False)
+    images, labels = small_dataset.test_x, small_dataset.test_y
+    results = steps.evaluate(engine, step, images, labels, None, global_batch,
+                             steps_per_execution=3)  # Chunks of 3, a shorter last one, a tail.
     logits = np.asarray(model(images, training=False))
-    assert totals["count"] == 1001
-    assert totals["correct"] == float((logits.argmax(-1) == labels).sum())
-    expected = np.asarray(losses.sparse_categorical_crossentropy(labels, logits)).sum()
-    assert np.isclose(totals["loss_sum"], expected, rtol=1e-5)
+    correct = float((logits.argmax(-1) == labels).sum())
+    assert results["accuracy"] == pytest.approx(correct / 1001, rel=1e-6)
+    expected = np.asarray(losses.sparse_categorical_crossentropy(labels, logits)).mean()
+    assert results["loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_replica_count_beyond_devices_is_a_clear_error():
@@ -108,9 +106,10 @@ def test_replica_count_beyond_devices_is_a_clear_error():
 
 def test_batch_that_does_not_split_across_replicas_is_a_clear_error(batch):
     engine = engines.create_engine(4)
-    odd = tuple(a[:30] for a in batch)
+    _, step = prepare(engine, 32, train=False)
+    odd = (batch[0][:30], batch[1][:30], None)
     with pytest.raises(engines.UsageError, match="30 does not split evenly across 4"):
-        steps.run_steps(engine, engine.eval_chunk, [odd])
+        steps.run_steps(engine, engine.eval_chunk, [odd], steps.zero_totals(step))
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -120,14 +119,14 @@ def test_chunked_steps_match_single_steps(small_dataset, replicas):
         keras.utils.set_random_seed(3)
         # Adam: a padding step applied by mistake would move the weights even
         # with zero gradients (momentum), where SGD would not show it.
-        model, optimizer = training.build(engine, create_model, training.adam, 1e-2)
-        engine.compile_steps(model, optimizer, 32, losses.sparse_categorical_crossentropy)
-        batches = data.train_batches(small_dataset.train_images, small_dataset.train_labels,
+        model, step = prepare(engine, 32, optimizer_fn=training.adam, learning_rate=1e-2)
+        batches = data.train_batches(*small_dataset.split("train"),
                                      32, seed=0, epoch=0, steps=5)
         totals, done = steps.run_steps(engine, engine.train_chunk, batches,
-                                          steps_per_execution=steps_per_execution)
+                                       steps.zero_totals(step),
+                                       steps_per_execution=steps_per_execution)
         engine.sync_to_model()
-        assert int(keras.ops.convert_to_numpy(optimizer.iterations)) == 5
+        assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 5
         return [np.array(w) for w in model.get_weights()], totals, done
 
     single, single_totals, _ = weights(1)
@@ -143,11 +142,10 @@ def test_an_epoch_compiles_one_train_program(small_dataset, replicas):
     # that comes back with other shardings than it went in with (JAX, 1
     # device) or a new step count (TF) would compile the chunk again.
     engine = engines.create_engine(replicas)
-    model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
-    engine.compile_steps(model, optimizer, 32, losses.sparse_categorical_crossentropy)
-    batches = data.train_batches(small_dataset.train_images, small_dataset.train_labels,
-                                 32, seed=0, epoch=0, steps=7)
-    _, done = steps.run_steps(engine, engine.train_chunk, batches, steps_per_execution=3)
+    _, step = prepare(engine, 32, optimizer_fn=training.adam, learning_rate=1e-3)
+    batches = data.train_batches(*small_dataset.split("train"), 32, seed=0, epoch=0, steps=7)
+    _, done = steps.run_steps(engine, engine.train_chunk, batches, steps.zero_totals(step),
+                              steps_per_execution=3)
     assert done == 7
     assert engine.compiled_train_programs() == 1
 
@@ -161,11 +159,9 @@ def test_jax_releases_the_compilers_memory_before_a_chunk_first_runs(small_datas
     monkeypatch.setattr(memory, "release_freed_memory", lambda: released.append(True))
     monkeypatch.setattr(memory, "LONG_COMPILE_SECONDS", 0.0)  # Any compile counts.
     engine = engines.create_engine(2)
-    model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
-    engine.compile_steps(model, optimizer, 32, losses.sparse_categorical_crossentropy)
+    prepare(engine, 32, optimizer_fn=training.adam, learning_rate=1e-3)
     chunk = engine.distribute(steps.stack_chunk(list(data.train_batches(
-        small_dataset.train_images, small_dataset.train_labels, 32, seed=0, epoch=0,
-        steps=2))))
+        *small_dataset.split("train"), 32, seed=0, epoch=0, steps=2))))
     released.clear()  # Eager ops compiled while building the model.
     engine.train_chunk(chunk, 2)
     # JAX reports the chunk's compile under the event the engine listens to.

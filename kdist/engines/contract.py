@@ -5,9 +5,10 @@ sits behind this interface, one module per backend (`kdist/engines/<name>.py`,
 class `Engine`). The division of work:
 
 - The loop (`kdist.training`) makes fixed-shape NumPy batches
-  `(x, y, sample_weight, mask)` (x and y: arrays or tuples/dicts of them),
-  groups K of them into a chunk, pads a short last chunk with masked-out
-  batches, and stacks every array to shape (K, batch, ...)
+  `(x, y, sample_weight)` (x and y: arrays or tuples/dicts of them;
+  sample_weight: an array or None), groups K of them into a chunk, pads a
+  short last chunk with copies of its last batch, and stacks every array to
+  shape (K, batch, ...)
   (`kdist.steps.stack_chunk`). It accounts statistics step by step, decides
   when to checkpoint and when to stop.
 - The step's math (`kdist.step.Step`: forward pass, loss, its share of the
@@ -78,6 +79,12 @@ class Engine(Protocol):
 
     def eval_chunk(self, chunk: Any, num_steps: int) -> dict:
         """Like `train_chunk`, in inference mode and without updating anything."""
+
+    def eval_whole(self, batch: tuple) -> dict:
+        """Evaluates one NumPy batch of any size (the examples after an evaluation
+        set's last full global batch), whole, its statistics counted once
+        whatever the replica and worker count; every worker passes the same
+        batch. No padding, so every metric sees exactly the real examples."""
 
     def sync_to_model(self) -> None:
         """Writes the engine's state back into the Keras variables (before a save)."""

@@ -120,6 +120,7 @@ class Engine:
         # times in the chunk's program (faster tracing and compiling).
         self._train_chunk = jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
         self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), step.zero_statistics))
+        self._eval_whole = jax.jit(eval_step)
 
     def _read_state(self):
         """Takes the variables' values as the state, replicated over the mesh.
@@ -171,6 +172,16 @@ class Engine:
         the block is explicit here too.
         """
         return jax.block_until_ready(self._eval_chunk(self.state, chunk, num_steps))
+
+    def eval_whole(self, batch):
+        """Evaluates one batch (x, y, sample_weight) of any size, whole, counted once:
+        replicated on every device, which all compute the same statistics."""
+        if self.distribution is None:
+            placed = jax.tree.map(jax.numpy.asarray, batch)
+        else:
+            placed = jax.tree.map(
+                lambda a: jax.make_array_from_process_local_data(self._replicated, a), batch)
+        return jax.block_until_ready(self._eval_whole(self.state, placed))
 
     def compiled_train_programs(self):
         """Programs in the train chunk's compile cache."""

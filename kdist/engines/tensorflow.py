@@ -146,6 +146,25 @@ class Engine:
 
         self._train_chunk = self._distributed(replica_train_step, step.keys)
         self._eval_chunk = self._distributed(replica_eval_step, step.keys)
+        self._eval_whole = self._counted_once(replica_eval_step)
+
+    def _counted_once(self, replica_fn):
+        """A tf.function running `replica_fn` on one batch that every replica gets
+        whole; the statistics of the first replica alone are returned."""
+        strategy = self.strategy
+
+        def first_replica_only(batch):
+            first = tf.equal(tf.distribute.get_replica_context().replica_id_in_sync_group, 0)
+            return {key: tf.where(first, value, tf.zeros_like(value))
+                    for key, value in replica_fn(batch).items()}
+
+        @tf.function
+        def whole(batch):
+            stats = strategy.run(first_replica_only, args=(batch,))
+            return {key: strategy.reduce(tf.distribute.ReduceOp.SUM, value, None)
+                    for key, value in stats.items()}
+
+        return whole
 
     def _distributed(self, replica_fn, keys):
         """A tf.function running `replica_fn` on each step of a stacked chunk.
@@ -197,6 +216,10 @@ class Engine:
     def eval_chunk(self, chunk, num_steps):
         """The chunk's first `num_steps` eval steps; returns each step's statistics."""
         return self._eval_chunk(chunk, tf.constant(num_steps))
+
+    def eval_whole(self, batch):
+        """Evaluates one batch (x, y, sample_weight) of any size, whole, counted once."""
+        return self._eval_whole(_map_arrays(tf.constant, batch))
 
     def compiled_train_programs(self):
         """Traces of the train chunk's tf.function."""

@@ -1,0 +1,86 @@
+"""The step's math (`kdist.step.Step`), outside any engine: loss shares, padding, metrics."""
+
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from kdist import losses, steps
+from kdist.step import Step, build_metrics
+
+
+def one_hot_model(regularization=0.0, compute_loss=None):
+    """Logits = 5 * x (x one-hot rows), plus an L2 term when `regularization` > 0."""
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(
+        10, use_bias=False, kernel_initializer=keras.initializers.Identity(5.0),
+        kernel_regularizer=keras.regularizers.L2(regularization) if regularization else None)])
+    model.compile(optimizer="sgd", loss=None if compute_loss else losses.sparse_categorical_crossentropy,
+                  metrics=["accuracy"])
+    x = np.eye(10, dtype=np.float32)[[1, 2, 3]]
+    labels = np.array([1, 2, 0], np.int32)  # Two right, one wrong.
+    build_metrics(model, x, labels)
+    return model, x, labels
+
+
+def run(step, batch, share=1.0):
+    model = step.model
+    loss, (stats, _) = step.loss_and_updates(
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables], batch, True, share)
+    return float(loss), {k: np.asarray(v, np.float64) for k, v in stats.items()}
+
+
+@pytest.mark.parametrize("regularization", [0.0, 0.01])
+def test_statistics_sum_the_loss_and_count_the_model_losses_per_example(regularization):
+    model, x, labels = one_hot_model(regularization)
+    step = Step(model, global_batch_size=3)
+    _, stats = run(step, (x, labels, None))
+    per_example = np.asarray(losses.sparse_categorical_crossentropy(labels, model(x)))
+    penalty = regularization * 25.0 * 10  # L2 of 5 * I (10 x 10).
+    assert stats["count"] == 3.0
+    assert stats["loss_sum"] == pytest.approx(per_example.sum() + 3 * penalty, rel=1e-6)
+    totals = steps.zero_totals(step)
+    for key in totals:
+        totals[key] = totals[key] + stats[key]
+    assert step.results(totals)["accuracy"] == pytest.approx(2 / 3, rel=1e-6)
+
+
+def test_own_loss_is_its_weighted_sum_over_the_global_batch_plus_a_share_of_the_model_losses():
+    def compute_loss(model, x, y, training):
+        return ops.convert_to_tensor(np.array([1.0, 2.0, 3.0], np.float32)), model(x)
+
+    model, x, labels = one_hot_model(0.01, compute_loss=compute_loss)
+    step = Step(model, global_batch_size=16, compute_loss=compute_loss)
+    weights = np.array([2.0, 1.0, 1.0], np.float32)
+    loss, stats = run(step, (x, labels, weights), share=0.25)
+    penalty = 0.01 * 25.0 * 10
+    # A program holding 3 of a global batch of 16 contributes its weighted sum/16,
+    # not a mean, and its share of the penalty.
+    assert loss == pytest.approx((2 * 1 + 2 + 3) / 16 + 0.25 * penalty, rel=1e-6)
+    assert stats["loss_sum"] == pytest.approx(7 + 3 * penalty, rel=1e-6)
+    assert stats["count"] == 3.0
+
+
+def test_a_metric_that_does_not_merge_by_summing_is_refused():
+    class Last(keras.metrics.Metric):
+        def __init__(self):
+            super().__init__(name="last")
+            self.value = self.add_variable((), "zeros", aggregation="mean", name="value")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.value.assign(ops.mean(y_pred))
+
+        def result(self):
+            return self.value
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", metrics=[Last()])
+    build_metrics(model, np.zeros((2, 3), np.float32), np.zeros((2, 1), np.float32))
+    with pytest.raises(Exception, match="'last/value' is aggregated by 'mean'"):
+        Step(model, 2)
+
+
+def test_an_uncompiled_model_is_a_clear_error():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    with pytest.raises(Exception, match="model is not compiled"):
+        build_metrics(model, np.zeros((2, 3), np.float32), np.zeros((2, 1), np.float32))
