@@ -22,8 +22,15 @@ def read_epochs(metrics_file):
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
+def metric_names(records):
+    """The metrics that records hold for both splits ("loss" first), by their Keras names."""
+    names = [k[len("train_"):] for k in records[0] if k.startswith("train_")]
+    names = [n for n in names if f"test_{n}" in records[0]]
+    return sorted(names, key=lambda name: (name != "loss", name))
+
+
 def plot_curves(metrics_file, output):
-    """Draws train/test loss and accuracy per epoch into one PNG at `output`."""
+    """Draws train/test curves per epoch, one panel per metric, into one PNG at `output`."""
     import matplotlib
 
     matplotlib.use("Agg")  # Files only; no display needed.
@@ -32,19 +39,18 @@ def plot_curves(metrics_file, output):
 
     records = read_epochs(metrics_file)
     epochs = [r["epoch"] for r in records]
-    figure, (loss_axes, accuracy_axes) = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
-    for axes, metric, label in ((loss_axes, "loss", "Loss"),
-                                (accuracy_axes, "accuracy", "Accuracy (%)")):
+    names = metric_names(records)
+    figure, panels = plt.subplots(1, len(names), figsize=(5 * len(names), 4), dpi=120,
+                                  squeeze=False)
+    for axes, name in zip(panels[0], names):
         for split, style in (("train", "o-"), ("test", "s--")):
-            axes.plot(epochs, [r[f"{split}_{metric}"] for r in records], style,
-                      label=f"{split}")
+            axes.plot(epochs, [r[f"{split}_{name}"] for r in records], style, label=split)
         axes.set_xlabel("Epoch")
-        axes.set_ylabel(label)
+        axes.set_ylabel(name)
+        axes.set_title(name)
         axes.xaxis.set_major_locator(MaxNLocator(integer=True))
         axes.grid(alpha=0.3)
         axes.legend()
-    loss_axes.set_title("Loss")
-    accuracy_axes.set_title("Accuracy")
     figure.suptitle(metrics_file)
     figure.tight_layout()
     figure.savefig(output)

@@ -35,7 +35,7 @@ def test_steps_per_execution_is_capped_at_the_epoch_and_the_eval_batches(
     lines = []
     cfg = config(tmp_path, "ck", epochs=1, steps_per_epoch=3, steps_per_execution=40)
     training.train_and_evaluate(cfg, small_dataset, log=lines.append)
-    # 3 train steps, then 1,001 test examples in 32 batches of 32 (2 replicas x 16),
-    # twice: the epoch's evaluation and the restored model's.
-    assert stacked == [3, 32, 32]
+    # 3 train steps, then 1,001 test examples in 31 batches of 32 (2 replicas x 16)
+    # and a tail of 9, twice: the epoch's evaluation and the restored model's.
+    assert stacked == [3, 31, 31]
     assert "; --steps-per-execution 40 capped at 3, the steps of an epoch" in lines[0]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -87,7 +88,8 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
     assert lines[3].startswith("Data: synthetic") and lines[4].endswith("starting fresh")
     assert [line.split(",")[0] for line in lines if line.startswith("Epoch")] == \
         ["Epoch 1/2", "Epoch 2/2"]
-    assert "Accuracy after restoring" in lines[-1]
+    assert re.fullmatch(r"Restored \S+ckpt-00000600.weights.h5 without distribution: "
+                        r"Test Loss: [\d.]+, Test Accuracy: [\d.]+%", lines[-1])
 
     folder = str(tmp_path / "b")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -115,7 +117,7 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
     restored = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[-1])
     evaluated = script(EVALUATE, "--synthetic", "--checkpoint-dir", str(tmp_path / "a"))
     assert evaluated.returncode == 0, evaluated.stderr
-    assert f"test accuracy {restored['test_accuracy']:.2f}%" in evaluated.stdout
+    assert f"Test Accuracy: {100 * restored['test_accuracy']:.2f}%" in evaluated.stdout
 
 
 def test_evaluate_without_checkpoint_is_a_clear_error(tmp_path):

@@ -97,14 +97,14 @@ def test_nothing_found_and_no_download_names_the_three_ways(tmp_path, monkeypatc
 def test_train_batches_are_full_shuffled_and_reproducible():
     images = np.arange(100, dtype=np.float32).reshape(100, 1, 1, 1)
     labels = np.arange(100, dtype=np.int32)
-    epoch0 = list(data.train_batches(images, labels, 32, seed=1, epoch=0, steps=3))
-    again = list(data.train_batches(images, labels, 32, seed=1, epoch=0, steps=3))
-    epoch1 = list(data.train_batches(images, labels, 32, seed=1, epoch=1, steps=3))
+    epoch0 = list(data.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3))
+    again = list(data.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3))
+    epoch1 = list(data.train_batches(images, labels, None, 32, seed=1, epoch=1, steps=3))
     assert [len(b[1]) for b in epoch0] == [32, 32, 32]
     assert len(set(np.concatenate([b[1] for b in epoch0]))) == 96
     assert all((a[1] == b[1]).all() for a, b in zip(epoch0, again))
     assert not (epoch0[0][1] == epoch1[0][1]).all()
-    resumed = list(data.train_batches(images, labels, 32, seed=1, epoch=0, steps=3,
+    resumed = list(data.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3,
                                       start_step=2))
     assert (resumed[0][1] == epoch0[2][1]).all()
 
@@ -112,20 +112,35 @@ def test_train_batches_are_full_shuffled_and_reproducible():
 def test_shards_of_a_global_batch_partition_it():
     images = np.zeros((64, 1, 1, 1), np.float32)
     labels = np.arange(64, dtype=np.int32)
-    whole = next(data.train_batches(images, labels, 32, seed=0, epoch=0, steps=1))
-    parts = [next(data.train_batches(images, labels, 32, seed=0, epoch=0, steps=1,
+    whole = next(data.train_batches(images, labels, None, 32, seed=0, epoch=0, steps=1))
+    parts = [next(data.train_batches(images, labels, None, 32, seed=0, epoch=0, steps=1,
                                      shard=(i, 2))) for i in range(2)]
     assert (np.concatenate([p[1] for p in parts]) == whole[1]).all()
 
 
-def test_eval_batches_pad_the_last_batch_with_zero_weight():
+def test_evaluation_is_full_batches_then_the_rest_whole():
     images = np.ones((10, 28, 28, 1), np.float32)
     labels = np.arange(10, dtype=np.int32)
-    batches = list(data.eval_batches(images, labels, 4))
-    assert [b[0].shape[0] for b in batches] == [4, 4, 4]
-    weights = np.concatenate([b[2] for b in batches])
-    assert weights.tolist() == [1.0] * 10 + [0.0] * 2
-    assert np.concatenate([b[1] for b in batches])[:10].tolist() == list(range(10))
+    weights = np.linspace(0.1, 1.0, 10).astype(np.float32)
+    batches = list(data.eval_batches(images, labels, weights, 4))
+    assert [b[0].shape[0] for b in batches] == [4, 4]
+    tail = data.eval_tail(images, labels, weights, 4)
+    assert tail[1].tolist() == [8, 9] and tail[2].tolist() == weights[8:].tolist()
+    seen = np.concatenate([b[1] for b in batches] + [tail[1]])
+    assert seen.tolist() == list(range(10))  # Each example once, none padded.
+    shards = [next(data.eval_batches(images, labels, None, 4, shard=(i, 2))) for i in range(2)]
+    assert [s[1].tolist() for s in shards] == [[0, 1], [2, 3]]
+    assert data.eval_tail(images[:8], labels[:8], None, 4) is None
+
+
+def test_batches_keep_the_structure_of_inputs_and_targets():
+    x = {"image": np.zeros((6, 2), np.float32), "side": np.arange(6, dtype=np.float32)}
+    y = (np.arange(6, dtype=np.int32), np.arange(6, dtype=np.float32) * 2)
+    batch = next(data.train_batches(x, y, None, 4, seed=0, epoch=0, steps=1))
+    assert set(batch[0]) == {"image", "side"} and isinstance(batch[1], tuple)
+    np.testing.assert_array_equal(batch[0]["side"], batch[1][0])  # Rows stay aligned.
+    np.testing.assert_array_equal(batch[1][1], batch[1][0] * 2)
+    assert batch[2] is None
 
 
 def test_data_dir_that_is_a_file_is_named(tmp_path):
@@ -154,8 +169,8 @@ def _corrupt(dataset, how):
     ("train label 10", r"toy: train label 10 \(example 17\) is not a class of the model, "
                        r"which has 10 \(0..9\)"),
     ("test label -1", r"toy: test label -1 \(example 3\) is not a class"),
-    ("NaN", "toy: train image 5 holds NaN or infinity"),
-    ("fewer labels", "toy: train has 512 images but 511 labels"),
+    ("NaN", "toy: train input 5 holds NaN or infinity"),
+    ("fewer labels", r"toy: train arrays differ in length \(x 512, y 511\)"),
     ("empty test set", "toy: the test set is empty"),
 ])
 def test_bad_data_is_one_error_before_training(tmp_path, small_dataset, how, message):

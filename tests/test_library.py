@@ -9,33 +9,40 @@ import sys
 from conftest import REPO
 
 
-def readme_example():
+def readme_examples():
+    """The Python blocks of the README's library section, in order, as one script."""
     text = open(os.path.join(REPO, "README.md")).read()
-    section = text.split("## Use it as a library", 1)[1]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    section = text.split("## Use it as a library", 1)[1].split("\n## ", 1)[0]
+    return "\n".join(re.findall(r"```python\n(.*?)```", section, re.S))
 
 
-def test_readme_library_example_runs_and_learns(tmp_path):
+def test_readme_library_examples_run_and_learn(tmp_path):
     script = tmp_path / "example.py"
-    script.write_text(readme_example())
+    script.write_text(readme_examples())
     env = dict(os.environ, PYTHONPATH=REPO)
     env.pop("XLA_FLAGS", None)
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    accuracy = float(re.search(r"restored test accuracy: ([\d.]+)%", result.stdout).group(1))
-    assert accuracy > 85.0
+    accuracy, auc = re.search(r"restored test accuracy: ([\d.]+)%, AUC ([\d.]+)",
+                              result.stdout).groups()
+    assert float(accuracy) > 85.0 and float(auc) > 0.9
+    assert re.search(r"Epoch 4/4, Loss: [\d.]+, Accuracy: [\d.]+%, auc: [\d.]+, Test Loss",
+                     result.stdout)
     assert "Replicas: 2 " in result.stdout
     assert sorted(os.listdir(tmp_path / "mlp_checkpoints")) == [
         "ckpt-00000096.weights.h5", "ckpt-00000192.weights.h5"]
+    own = float(re.search(r"own loss: test accuracy ([\d.]+)%", result.stdout).group(1))
+    assert own > 85.0
 
 
 def test_plot_script_writes_a_png(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    records = [dict(epoch=e, train_loss=1.0 / e, test_loss=1.2 / e, train_accuracy=80 + e,
-                    test_accuracy=78 + e, seconds=1.0, samples_per_sec=1000.0)
+    records = [dict(epoch=e, train_loss=1.0 / e, test_loss=1.2 / e, train_accuracy=0.8 + e / 100,
+                    test_accuracy=0.78 + e / 100, train_auc=0.9, test_auc=0.85, seconds=1.0,
+                    samples_per_sec=1000.0)
                for e in (1, 2, 3)]
-    records.append(dict(restored=True, test_accuracy=81.0))
+    records.append(dict(restored=True, test_accuracy=0.81))
     metrics.write_text("".join(json.dumps(r) + "\n" for r in records))
     out = tmp_path / "curves.png"
     result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot.py"),
@@ -43,6 +50,9 @@ def test_plot_script_writes_a_png(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    from kdist.plot import metric_names, read_epochs
+
+    assert metric_names(read_epochs(str(metrics))) == ["loss", "accuracy", "auc"]
 
 
 def test_plot_script_rejects_a_file_without_epochs(tmp_path):

@@ -35,7 +35,8 @@ def test_resume_rewrites_the_metrics_files_from_the_checkpoint(tmp_path, small_d
     assert lines[:2] == first["history"][:2]  # Rewritten from the checkpoint's history.
     assert lines[2] == resumed["history"][2] and lines[3]["restored"] is True
     rows = csv_rows(tmp_path / "m.csv")
-    assert rows[0] == list(reporting.MetricsWriter.CSV_COLUMNS)
+    assert rows[0] == ["epoch", "samples_per_sec", "seconds", "test_accuracy", "test_loss",
+                       "train_accuracy", "train_loss"]  # keras.callbacks.CSVLogger's layout.
     assert [row[0] for row in rows[1:]] == ["0", "1", "2"]
 
 
@@ -71,11 +72,20 @@ def test_the_csv_sibling_must_be_writable_too(tmp_path, small_dataset):
         run(config(tmp_path, "ck", metrics_file=str(tmp_path / "m.jsonl")), small_dataset)
 
 
+def test_epoch_lines_show_every_metric_by_its_keras_name():
+    record = records.EpochRecord(3, {"loss": 0.5, "accuracy": 0.8125, "auc": 0.91234},
+                                 {"loss": 0.625, "accuracy": 0.75, "auc": 0.875}, 2.0, 512.0)
+    assert reporting.format_epoch(record, 10) == (
+        "Epoch 3/10, Loss: 0.5000, Accuracy: 81.25%, auc: 0.9123, Test Loss: 0.6250, "
+        "Test Accuracy: 75.00%, Test auc: 0.8750 (2.0 s, 512 samples/s)")
+    assert records.EpochRecord.from_dict(record.as_dict()) == record
+
+
 def test_a_full_disk_is_one_metrics_error():
     if not os.path.exists("/dev/full"):
         pytest.fail("needs /dev/full (Linux) to fill a disk")
     writer = reporting.MetricsWriter("/dev/full")
-    record = records.EpochRecord(**dict.fromkeys(records.EPOCH_KEYS, 1.0))
+    record = records.EpochRecord(1, {"loss": 1.0}, {"loss": 1.0}, 1.0, 1.0)
     with pytest.raises(reporting.MetricsError,
                        match="cannot write the metrics file /dev/full .No space left"):
         writer.epoch(record)
