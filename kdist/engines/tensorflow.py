@@ -7,6 +7,7 @@ import tensorflow as tf
 from keras import ops
 
 from kdist.errors import UsageError
+from kdist.step import ema_variables
 
 
 def split_cpu(count):
@@ -116,7 +117,8 @@ class Engine:
         loss; kdist sums the gradients over replicas, then the optimizer
         clips, accumulates and applies the global gradient, the same on
         every replica (its own per-replica sum is turned off, see
-        `_apply_reduced`).
+        `_apply_reduced`). Evaluation uses the optimizer's moving averages
+        of the weights if it keeps them (`kdist.step.ema_variables`).
         """
         self.model, self.optimizer = step.model, optimizer
         model, share = step.model, 1.0 / self.num_replicas
@@ -140,9 +142,11 @@ class Engine:
             _assign_updates(context, non_trainable, updated, offsets)
             return stats
 
+        evaluated = ema_variables(optimizer, trainable) or trainable
+
         def replica_eval_step(batch):
             _, (stats, _) = step.loss_and_updates(
-                [v.value for v in trainable], [v.value for v in non_trainable], batch,
+                [v.value for v in evaluated], [v.value for v in non_trainable], batch,
                 False, share)
             return stats
 
