@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from kdist import checkpoints, data, engines, steps, training
+from kdist.step import ema_variables
 
 TOLERANCE = 1e-6
 BATCH = 8  # Global batch: splits over 1, 2 and 4 replicas.
@@ -46,9 +47,9 @@ def batches(batch, count):
              np.ones(batch, np.float32)) for i in range(count)]
 
 
-def train(optimizer_fn, replicas, batch=BATCH, count=1):
+def trained(optimizer_fn, replicas, batch=BATCH, count=1):
     """Trains `count` steps of `batch` rows in one chunk on `replicas` replicas
-    (None: the undistributed engine). Returns (initial weights, weights, model)."""
+    (None: the undistributed engine). Returns (initial weights, model, engine)."""
     engine = engines.create_engine(replicas or 1, distributed=replicas is not None)
     keras.utils.set_random_seed(1)
     model, step = training.prepare_model(engine, batch, (X[:batch], Y[:batch], None),
@@ -57,17 +58,38 @@ def train(optimizer_fn, replicas, batch=BATCH, count=1):
     engine.compile_steps(step, model.optimizer)
     engine.train_chunk(engine.distribute(steps.stack_chunk(batches(batch, count))), count)
     engine.sync_to_model()
+    return initial, model, engine
+
+
+def train(optimizer_fn, replicas, batch=BATCH, count=1):
+    """`trained`, returning (initial weights, weights, model)."""
+    initial, model, _ = trained(optimizer_fn, replicas, batch, count)
     return initial, [np.array(w) for w in model.get_weights()], model
 
 
+class WeightsAtEpochEnd(keras.callbacks.Callback):
+    """The weights before `fit` ends (and, with `use_ema`, puts the averages in)."""
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.weights = [np.array(w) for w in self.model.get_weights()]
+
+
 def fit(optimizer_fn, initial, batch=BATCH, count=1):
-    """Keras' own `fit` on one device from `initial`: `count` steps of `batch` rows."""
+    """Keras' own `fit` on one device from `initial`: `count` steps of `batch` rows.
+
+    Returns (the weights fit ends with, the model)."""
+    return fit_with_trained_weights(optimizer_fn, initial, batch, count)[1:]
+
+
+def fit_with_trained_weights(optimizer_fn, initial, batch=BATCH, count=1):
+    """`fit`, returning (the weights at the epoch's end, the final weights, the model)."""
     engines.create_engine(1, distributed=False)  # Sets no distribution (JAX).
     model = model_fn(optimizer_fn)()
     model.set_weights(initial)
+    at_end = WeightsAtEpochEnd()
     model.fit(X[:batch * count], Y[:batch * count], batch_size=batch, epochs=1,
-              shuffle=False, verbose=0)
-    return [np.array(w) for w in model.get_weights()], model
+              shuffle=False, verbose=0, callbacks=[at_end])
+    return at_end.weights, [np.array(w) for w in model.get_weights()], model
 
 
 def difference(a, b):
@@ -164,6 +186,51 @@ def test_a_schedule_with_accumulation_counts_batches_as_keras_does():
     assert difference(many, one) <= TOLERANCE
 
 
+def values(variables):
+    return [np.array(keras.ops.convert_to_numpy(v)) for v in variables]
+
+
+def evaluated_loss(engine, rows):
+    """The mean loss of the engine's evaluation of `rows` of (X, Y)."""
+    x, y = X[rows], Y[rows]
+    stats = engine.eval_chunk(engine.distribute(steps.stack_chunk(
+        [(x, y, None, np.ones(len(y), np.float32))])), 1)
+    return float(np.asarray(stats["loss_sum"])[0]) / float(np.asarray(stats["count"])[0])
+
+
+def keras_loss(model, rows):
+    """The mean loss of `model`'s own weights on `rows` of (X, Y)."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    return float(keras.ops.convert_to_numpy(loss(Y[rows], model(X[rows], training=False))))
+
+
+@pytest.mark.parametrize("overwrite", [None, 2])
+def test_evaluation_uses_the_moving_averages_that_fit_ends_with(overwrite):
+    # With use_ema, fit trains the weights, keeps their moving averages in the
+    # optimizer (every `overwrite` steps it also copies them into the weights)
+    # and ends by copying the averages into the model. kdist trains the same
+    # weights and averages, and evaluates with the averages.
+    def averaging():
+        return keras.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.5,
+                                    ema_overwrite_frequency=overwrite)
+
+    eval_rows = slice(32, 48)  # Rows no step trained on.
+    initial, _, _ = trained(averaging, None, count=3)
+    trained_weights, averaged, model = fit_with_trained_weights(averaging, initial, count=3)
+    assert difference(trained_weights, averaged) > 1e-2  # The averages are not the weights.
+    expected = keras_loss(model, eval_rows)
+    for replicas in (None, 2, 4):
+        _, ours, engine = trained(averaging, replicas, count=3)
+        weights = values(ours.trainable_variables)
+        worst = max(difference(weights, trained_weights),
+                    difference(values(ema_variables(ours.optimizer, ours.trainable_variables)),
+                               averaged))
+        assert worst <= TOLERANCE, f"{replicas} replica(s) differ from fit by {worst}"
+        loss = evaluated_loss(engine, eval_rows)
+        assert abs(loss - expected) <= TOLERANCE, (loss, expected)
+        assert abs(keras_loss(ours, eval_rows) - expected) > 1e-3  # The weights score otherwise.
+
+
 # The loop: a resume continues the schedule and the accumulation window.
 
 
@@ -240,3 +307,21 @@ def test_a_resume_inside_an_accumulation_window_continues_it_and_the_schedule(tm
     assert iterations(restored_optimizer(latest(tmp_path, "resumed"), optimizer)) == (5, 10)
     assert [r["train_loss"] for r in resumed["history"]] == \
         [r["train_loss"] for r in straight["history"]]
+
+
+def test_every_evaluation_and_the_checkpoint_keep_the_moving_averages(tmp_path):
+    def averaging():
+        return keras.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.5)
+
+    result = run(config(tmp_path, "ema", epochs=1, steps_per_epoch=4), averaging)
+    last, restored = result["history"][-1], result["restored"]
+    assert restored["test_accuracy"] == last["test_accuracy"]
+    assert abs(restored["test_loss"] - last["test_loss"]) <= TOLERANCE
+    # The checkpoint's model weights are the trained ones (a resume continues
+    # from them): a model without use_ema restored from it scores otherwise.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Its optimizer has fewer variables to load.
+        plain = training.evaluate_checkpoint(
+            restored["checkpoint"], tiny_dataset(), model_fn(lambda: keras.optimizers.SGD(0.5)),
+            batch_size=8)
+    assert abs(plain["test_loss"] - restored["test_loss"]) > 1e-3
