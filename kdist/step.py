@@ -175,6 +175,8 @@ def ema_variables(optimizer, variables):
     epoch and of a restored checkpoint, scores the averaged model, while
     training continues from the weights themselves. A checkpoint holds both:
     the weights as the model's, the averages with the optimizer's variables.
+    The averages hold zeros until the first train step (Keras' initial
+    value), so a model that never trained evaluates with zero trainable weights.
     """
     if optimizer is None or not getattr(optimizer, "use_ema", False):
         return None
