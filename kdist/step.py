@@ -153,6 +153,26 @@ def reported_metrics(model):
     return [m for m in model.metrics if m is not tracker]
 
 
+def ema_variables(optimizer, variables):
+    """The optimizer's moving averages of `variables`, or None without `use_ema`.
+
+    An optimizer compiled with `use_ema=True` keeps an exponential moving
+    average of every weight as an optimizer variable; Keras' `fit` ends by
+    copying them into the model (`optimizer.finalize_variable_values`).
+    kdist's engines evaluate with them in place of the trainable weights
+    (`kdist.engines.contract.Engine.eval_chunk`), so every evaluation, per
+    epoch and of a restored checkpoint, scores the averaged model, while
+    training continues from the weights themselves. A checkpoint holds both:
+    the weights as the model's, the averages with the optimizer's variables.
+    The averages hold zeros until the first train step (Keras' initial
+    value), so a model that never trained evaluates with zero trainable weights.
+    """
+    if optimizer is None or not getattr(optimizer, "use_ema", False):
+        return None
+    averages = optimizer._model_variables_moving_average
+    return [averages[optimizer._get_variable_index(v)] for v in variables]
+
+
 def build_metrics(model, x, y, sample_weight=None):
     """Builds the compiled loss and metrics from a few examples, then resets them.
 

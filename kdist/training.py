@@ -84,7 +84,12 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=None
         config: a `TrainConfig`.
         dataset: a `kdist.data.Dataset` (NumPy arrays, or tuples/dicts of them).
         model_fn: builds the Keras model (called in the engine's scope),
-            compiled as for `fit` or not (see `build`).
+            compiled as for `fit` or not (see `build`). The compiled
+            optimizer's schedule, clipping and gradient accumulation act
+            on the global gradient, as in `fit` on one device; with
+            `use_ema=True` every evaluation (each epoch's, the restored
+            checkpoint's) uses its moving averages of the weights
+            (`kdist.step.ema_variables`).
         optimizer_fn: for an uncompiled model: learning rate -> Keras
             optimizer (default Adam).
         loss_fn: for an uncompiled model: (y_true, y_pred) -> per-example

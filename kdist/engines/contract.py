@@ -78,7 +78,12 @@ class Engine(Protocol):
         when every device is done."""
 
     def eval_chunk(self, chunk: Any, num_steps: int) -> dict:
-        """Like `train_chunk`, in inference mode and without updating anything."""
+        """Like `train_chunk`, in inference mode and without updating anything.
+
+        With an optimizer compiled with `use_ema=True`, the model is
+        evaluated with the optimizer's moving averages in place of its
+        trainable weights (`kdist.step.ema_variables`), as Keras' `fit`
+        leaves the model at its end."""
 
     def eval_whole(self, batch: tuple) -> dict:
         """Evaluates one NumPy batch of any size (the examples after an evaluation

@@ -12,6 +12,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kdist.errors import UsageError
+from kdist.step import ema_variables
 
 
 def connect(spec, replicas=None):
@@ -94,7 +95,9 @@ class Engine:
 
         The program sees the whole sharded global batch, so the step's
         loss is the global-batch loss (share 1) and its gradients are
-        already summed over devices (XLA all-reduces them).
+        already summed over devices (XLA all-reduces them). Evaluation uses
+        the optimizer's moving averages of the weights if it keeps them
+        (`kdist.step.ema_variables`).
         """
         self.model, self.optimizer = step.model, optimizer
         self._read_state()
@@ -111,8 +114,15 @@ class Engine:
                              for old, new in zip(non_trainable, updated)]
             return (trainable, non_trainable, opt_vars), stats
 
+        averages = ema_variables(optimizer, self.model.trainable_variables)
+        # Where in the optimizer's state each weight's moving average is.
+        ema_index = None if averages is None else [
+            next(i for i, v in enumerate(optimizer.variables) if v is a) for a in averages]
+
         def eval_step(state, batch):
-            trainable, non_trainable, _ = state
+            trainable, non_trainable, opt_vars = state
+            if ema_index is not None:
+                trainable = [opt_vars[i] for i in ema_index]
             _, (stats, _) = compute(trainable, non_trainable, batch, False)
             return stats
 
