@@ -43,8 +43,8 @@ def model_fn(optimizer_fn):
 
 def batches(batch, count):
     """The first `count` batches of `batch` rows of (X, Y), as the loop makes them."""
-    return [(X[i * batch:(i + 1) * batch], Y[i * batch:(i + 1) * batch], None,
-             np.ones(batch, np.float32)) for i in range(count)]
+    return [(X[i * batch:(i + 1) * batch], Y[i * batch:(i + 1) * batch], None)
+            for i in range(count)]
 
 
 def trained(optimizer_fn, replicas, batch=BATCH, count=1):
@@ -193,8 +193,7 @@ def values(variables):
 def evaluated_loss(engine, rows):
     """The mean loss of the engine's evaluation of `rows` of (X, Y)."""
     x, y = X[rows], Y[rows]
-    stats = engine.eval_chunk(engine.distribute(steps.stack_chunk(
-        [(x, y, None, np.ones(len(y), np.float32))])), 1)
+    stats = engine.eval_chunk(engine.distribute(steps.stack_chunk([(x, y, None)])), 1)
     return float(np.asarray(stats["loss_sum"])[0]) / float(np.asarray(stats["count"])[0])
 
 
