@@ -4,8 +4,8 @@
 import os
 
 import tensorflow as tf
-from keras import ops
 
+from kdist.engines import tf_optimizer
 from kdist.errors import UsageError
 from kdist.step import ema_variables
 
@@ -117,15 +117,15 @@ class Engine:
         loss; kdist sums the gradients over replicas, then the optimizer
         clips, accumulates and applies the global gradient, the same on
         every replica (its own per-replica sum is turned off, see
-        `_apply_reduced`). Evaluation uses the optimizer's moving averages
+        `tf_optimizer.apply_reduced`). Evaluation uses the optimizer's moving averages
         of the weights if it keeps them (`kdist.step.ema_variables`).
         """
         self.model, self.optimizer = step.model, optimizer
         model, share = step.model, 1.0 / self.num_replicas
         trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
         if optimizer is not None:
-            _apply_reduced(optimizer)
-            _apply_without_cond(optimizer)
+            tf_optimizer.apply_reduced(optimizer)
+            tf_optimizer.apply_without_cond(optimizer)
 
         def replica_train_step(batch):
             context = tf.distribute.get_replica_context()
@@ -290,69 +290,3 @@ def _assign_updates(context, non_trainable, updated, offsets):
     for variable, new, offset in zip(non_trainable, updated, offsets):
         if new is not None and offset is not None:
             variable.assign(new - offset)
-
-
-def _apply_reduced(optimizer):
-    """Makes `optimizer.apply` take gradients already summed over replicas.
-
-    Keras' TensorFlow optimizer sums the gradients over replicas inside
-    `apply`, after clipping each replica's own (so `clipnorm` would clip
-    the wrong norm); kdist sums first and turns that sum off here, so
-    clipping, accumulation and the update all see the global gradient.
-    """
-    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
-        raise RuntimeError("this Keras version's TensorFlow optimizer has no "
-                           "_all_reduce_sum_gradients; kdist cannot apply summed gradients")
-    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
-
-
-def _apply_without_cond(optimizer):
-    """Makes the optimizer's conditional steps run without `tf.cond` in a replica.
-
-    With `gradient_accumulation_steps` or `ema_overwrite_frequency`, Keras'
-    TensorFlow optimizer chooses between two updates with `ops.cond`, and
-    its updates inside the branches call `merge_call`, which TensorFlow
-    refuses inside a control-flow branch of a replica function, so such an
-    optimizer fails under any MirroredStrategy (keras-team/keras#20582).
-    Here both are computed and the result selected, as Keras' own JAX
-    optimizer does (`keras/src/backend/jax/optimizer.py`): the update runs
-    on every step, and on a step that only accumulates, the variables it
-    changed get their previous values back. The values are those of Keras'
-    `_backend_apply_gradients`; the same code runs with one replica or many.
-    """
-    accumulate = optimizer.gradient_accumulation_steps
-    overwrite = optimizer.use_ema and optimizer.ema_overwrite_frequency
-    if not (accumulate or overwrite):
-        return
-
-    def backend_apply_gradients(grads, trainable_variables):
-        if accumulate:
-            is_update_step = ops.equal((optimizer._iterations + 1) % accumulate, 0)
-            accumulators = [optimizer._accumulated_gradients[optimizer._get_variable_index(v)]
-                            for v in trainable_variables]
-            fixed = [optimizer._iterations, optimizer._learning_rate] + accumulators
-            restored = [v for v in list(trainable_variables) + optimizer.variables
-                        if not any(v is f for f in fixed)]
-            # Reads now (`ops.convert_to_tensor` would return the variables themselves).
-            before = [tf.identity(v.value) for v in restored]
-            summed = [g + tf.identity(a.value) for g, a in zip(grads, accumulators)]
-            grads = optimizer._clip_gradients([g / accumulate for g in summed])
-            optimizer._apply_weight_decay(trainable_variables)
-            optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)
-            for variable, old in zip(restored, before):
-                variable.assign(ops.where(is_update_step, variable, old))
-            for accumulator, total in zip(accumulators, summed):
-                accumulator.assign(ops.where(is_update_step, ops.zeros_like(total), total))
-        else:
-            grads = optimizer._clip_gradients(grads)
-            optimizer._apply_weight_decay(trainable_variables)
-            optimizer._backend_update_step(grads, trainable_variables, optimizer.learning_rate)
-        if optimizer.use_ema:
-            optimizer._update_model_variables_moving_average(optimizer._trainable_variables)
-            if overwrite:
-                due = ops.equal((optimizer.iterations + 1) % overwrite, 0)
-                for variable, average in zip(optimizer._trainable_variables,
-                                             optimizer._model_variables_moving_average):
-                    variable.assign(ops.where(due, average, variable))
-
-    optimizer._backend_apply_gradients = backend_apply_gradients
