@@ -7,6 +7,15 @@ bytes, in name order). A file is trusted only if its checksum matches and
 every floating-point value in it is finite. Format 1 files (no checksum) are
 still read; for them only the finiteness is checked.
 
+The file also holds, in the group `kdist_seed_generators`, the state of
+every `keras.random.SeedGenerator` of the model (Dropout's, and any layer's
+that draws random numbers), one dataset per generator in the order of
+`model.variables`. `save_weights` leaves them out (they are not weights), so
+without them a resumed run would draw the dropout masks of its first steps
+again instead of those the uninterrupted run draws next. Keras' own
+`load_weights` ignores the group; files without it load with the model's
+generators as they are.
+
 Keras writes the file into memory (`_Buffer`), and kdist copies the bytes to
 disk with plain file I/O: a full disk then raises `OSError` in Python instead
 of failing inside HDF5, whose half-written, still-open file crashed the
@@ -26,6 +35,7 @@ from kdist.errors import InvalidCheckpoint, NonFiniteWeights
 
 FORMAT = "kdist-checkpoint-2"
 READABLE = ("kdist-checkpoint-1", FORMAT)
+SEED_GROUP = "kdist_seed_generators"
 
 
 class _Buffer(io.BytesIO):
@@ -40,6 +50,11 @@ def encode(model, metadata):
     buffer = _Buffer()
     model.save_weights(buffer)
     with h5py.File(buffer, "a") as f:
+        seeds = seed_states(model)
+        if seeds:
+            group = f.create_group(SEED_GROUP)
+            for i, variable in enumerate(seeds):
+                group[str(i)] = np.array(variable.numpy())
         digest, bad = _scan(f)
         if bad:
             raise NonFiniteWeights(bad)
@@ -81,8 +96,26 @@ def verify(data):
 
 
 def load(model, data):
-    """Loads verified checkpoint bytes `data` into `model`."""
+    """Loads verified checkpoint bytes `data` into `model`, its seed generators' state included.
+
+    Raises InvalidCheckpoint if the file holds the state of another number
+    of seed generators than the model has.
+    """
     model.load_weights(_Buffer(data))
+    with h5py.File(_Buffer(data), "r") as f:
+        if SEED_GROUP not in f:
+            return
+        group, seeds = f[SEED_GROUP], seed_states(model)
+        if len(group) != len(seeds):
+            raise InvalidCheckpoint(f"it holds the state of {len(group)} random seed "
+                                    f"generator(s); the model has {len(seeds)}")
+        for i, variable in enumerate(seeds):
+            variable.assign(group[str(i)][()].astype(variable.dtype))
+
+
+def seed_states(model):
+    """The state variables of the model's `keras.random.SeedGenerator`s, in order."""
+    return [v for v in model.variables if v.path.endswith("seed_generator_state")]
 
 
 def _scan(f):
