@@ -1,0 +1,394 @@
+"""Stateful layers: BatchNormalization's moving statistics and Dropout's random masks.
+
+On TensorFlow each replica draws its own dropout masks (its seed state
+shifted, `_seed_offsets`) and moving statistics move by the mean of the
+replicas' changes (`_assign_updates`); on JAX the program sees the global
+sharded batch, so both are the global batch's. Either way they must train
+like Keras `fit`, survive a checkpoint and resume bit for bit, and be
+reproducible from the seed.
+"""
+
+import h5py
+import keras
+import numpy as np
+import pytest
+from keras import ops
+
+from kdist import checkpoints, data, engines, steps, training
+from kdist.errors import Interrupted
+
+BACKEND = keras.backend.backend()
+
+
+def no_distribution():
+    """Keras `fit` and fresh models run undistributed (a JAX engine sets a global one)."""
+    if BACKEND == "jax":
+        keras.distribution.set_distribution(None)
+
+
+def bn_dropout_cnn(dropouts=1):
+    """Conv-BN-ReLU-pool, Dropout, Dense: compiled for `fit`, Adam, logits."""
+    model = keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(8, 3, use_bias=False),
+        keras.layers.BatchNormalization(momentum=0.9),  # Keras' 0.99 lags a 100-step run.
+        keras.layers.Activation("relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        *[keras.layers.Dropout(0.3) for _ in range(dropouts)],
+        keras.layers.Dense(10),
+    ])
+    model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+class Recording:
+    """A model_fn that keeps every model it builds and their initial weights."""
+
+    def __init__(self, model_fn):
+        self.model_fn, self.models, self.initial = model_fn, [], []
+
+    def __call__(self):
+        model = self.model_fn()
+        self.models.append(model)
+        self.initial.append([np.array(w) for w in model.get_weights()])
+        return model
+
+
+def values(variables):
+    return [np.array(keras.ops.convert_to_numpy(v.value)) for v in variables]
+
+
+def seed_states(model):
+    return values([v for v in model.non_trainable_variables
+                   if v.path.endswith("seed_generator_state")])
+
+
+# -- a. kdist trains a BN + Dropout CNN like Keras fit --------------------------------
+#
+# "Within noise": Keras fit from four seeds gives four test results, whose
+# sample standard deviation s measures how much one training run's result
+# varies with its initial weights, batch order and dropout masks. kdist and
+# fit from the same seed start from the same weights but see batches in
+# another order and draw other masks: at most two independent runs, whose
+# difference has standard deviation sqrt(2) s. kdist is within noise if it
+# is within three of those: |kdist - fit| <= 3 sqrt(2) s, for the test
+# accuracy and for the test loss. The task must be learnt (accuracy well
+# above chance), and the bound must stay well below the accuracy lost when
+# the moving statistics are not updated (kdist then scores near chance).
+
+FIT_SEEDS = (11, 12, 13, 14)  # kdist trains from the first.
+EPOCHS, BATCH = 3, 32
+
+
+def fit_once(dataset, seed):
+    """Keras fit from `set_random_seed(seed)`: (initial weights, test loss, test accuracy)."""
+    no_distribution()
+    keras.utils.set_random_seed(seed)
+    model = bn_dropout_cnn()
+    initial = [np.array(w) for w in model.get_weights()]
+    model.fit(dataset.train_x, dataset.train_y, batch_size=BATCH, epochs=EPOCHS,
+              shuffle=True, verbose=0)
+    loss, accuracy = model.evaluate(dataset.test_x, dataset.test_y, batch_size=128, verbose=0)
+    return initial, loss, accuracy
+
+
+def test_bn_dropout_cnn_trains_like_keras_fit_within_noise(tmp_path):
+    dataset = data.synthetic_fashion_mnist(num_train=1024, num_test=512, seed=2)
+    fits = [fit_once(dataset, seed) for seed in FIT_SEEDS]
+    recording = Recording(bn_dropout_cnn)
+    config = training.TrainConfig(epochs=EPOCHS, batch_size_per_replica=BATCH // 2, replicas=2,
+                                  checkpoint_dir=str(tmp_path / "run"), seed=FIT_SEEDS[0],
+                                  steps_per_execution=2)  # Compiles fast on JAX.
+    result = training.train_and_evaluate(config, dataset, model_fn=recording,
+                                         log=lambda line: None)
+    for a, b in zip(recording.initial[0], fits[0][0]):  # The same initial weights.
+        np.testing.assert_array_equal(a, b)
+    last = result["history"][-1]
+    assert result["restored"]["test_accuracy"] == last["test_accuracy"]
+    report = [f"\n[{BACKEND}] kdist vs fit (seeds {FIT_SEEDS}), after {EPOCHS} epochs:"]
+    for name, column in (("accuracy", 2), ("loss", 1)):
+        fit = np.array([f[column] for f in fits])
+        kdist = last[f"test_{name}"]
+        gap, bound = abs(kdist - fit[0]), 3 * np.sqrt(2) * fit.std(ddof=1)
+        report.append(f"{name}: kdist {kdist:.4f}, fit {np.round(fit, 4)}, gap {gap:.4f}, "
+                      f"s {fit.std(ddof=1):.4f}, bound {bound:.4f}")
+        assert gap <= bound, report
+    print("\n".join(report))
+    accuracy = np.array([f[2] for f in fits])
+    assert accuracy.min() > 0.6 and last["test_accuracy"] > 0.6  # Learnt: chance is 0.1.
+    assert 3 * np.sqrt(2) * accuracy.std(ddof=1) < 0.25
+
+
+# -- b. a resumed run is bit for bit the uninterrupted one -----------------------------
+
+class StopAfter:
+    """A stop request that turns true at its `chunks`-th check (one per compiled call)."""
+
+    signal_name = "SIGTERM"
+
+    def __init__(self, chunks):
+        self.checks, self.chunks = 0, chunks
+
+    def __bool__(self):
+        self.checks += 1
+        return self.checks >= self.chunks
+
+
+def checkpoint_arrays(path):
+    arrays = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
+                     if isinstance(obj, h5py.Dataset) else None)
+    return arrays
+
+
+def without_timing(history):
+    return [{k: v for k, v in r.items() if k not in ("seconds", "samples_per_sec")}
+            for r in history]
+
+
+def test_resume_mid_epoch_is_bitwise_the_uninterrupted_run(tmp_path):
+    dataset = data.synthetic_fashion_mnist(num_train=256, num_test=64, seed=4)
+
+    def config(name):
+        return training.TrainConfig(
+            epochs=2, batch_size_per_replica=8, replicas=2, steps_per_epoch=6,
+            steps_per_execution=2, checkpoint_every=1, checkpoint_dir=str(tmp_path / name),
+            seed=9)
+
+    def run(name, stop=None):
+        recording = Recording(bn_dropout_cnn)
+        result = training.train_and_evaluate(config(name), dataset, model_fn=recording,
+                                             log=lambda line: None, stop=stop)
+        return result, recording.models[0]
+
+    straight, straight_model = run("straight")
+    # Two compiled calls of two steps: stopped at epoch 1, step 4 of 6.
+    with pytest.raises(Interrupted, match="epoch 1, step 4"):
+        run("resumed", stop=StopAfter(2))
+    resumed, resumed_model = run("resumed")
+
+    a = checkpoint_arrays(checkpoints.latest_checkpoint(str(tmp_path / "straight")))
+    b = checkpoint_arrays(checkpoints.latest_checkpoint(str(tmp_path / "resumed")))
+    assert a.keys() == b.keys()
+    # BN's moving mean and variance (its variables 2 and 3), moved from 0 and 1, and
+    # the dropout seed's state are in the file.
+    assert (a["layers/batch_normalization/vars/2"] != 0).all()
+    assert (a["layers/batch_normalization/vars/3"] != 1).all()
+    assert int(a["kdist_seed_generators/0"][1]) == 12
+    for key in a:
+        np.testing.assert_array_equal(b[key], a[key], err_msg=key)
+    # Every variable of the trained models, seed generator states included; the
+    # dropout layer's counter advanced once per train step (12), none in evaluation.
+    for part in (lambda m: m.variables, lambda m: m.optimizer.variables):
+        mine, theirs = values(part(resumed_model)), values(part(straight_model))
+        assert len(mine) == len(theirs)
+        for x, y in zip(mine, theirs):
+            np.testing.assert_array_equal(x, y)
+    (state,) = seed_states(straight_model)
+    assert int(state[1]) == 12
+    assert without_timing(resumed["history"]) == without_timing(straight["history"])
+    # The checkpoint carries the seed state into a fresh, undistributed model, and
+    # stays loadable by Keras' own load_weights (which ignores that part).
+    no_distribution()
+    path = checkpoints.latest_checkpoint(str(tmp_path / "straight"))
+    fresh = bn_dropout_cnn()
+    checkpoints.restore(fresh, path)
+    np.testing.assert_array_equal(seed_states(fresh)[0], state)
+    for x, y in zip(values(fresh.variables), values(straight_model.variables)):
+        np.testing.assert_array_equal(x, y)
+    stock = bn_dropout_cnn()
+    stock.load_weights(path)
+    for x, y in zip(stock.get_weights(), straight_model.get_weights()):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_a_checkpoint_for_other_seed_generators_is_refused(tmp_path):
+    no_distribution()
+    model = bn_dropout_cnn()
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    path = manager.save(model, 1, {})
+    two_dropouts = bn_dropout_cnn(dropouts=2)  # The same weights: only the seeds tell.
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"state of 1 random seed generator\(s\); the model has 2"):
+        checkpoints.restore(two_dropouts, path)
+
+
+# -- c. dropout masks: per replica, per step, from the seed, off in evaluation ---------
+
+ROWS, UNITS, RATE = 16, 64, 0.5  # One global batch of 16 rows of 64 ones.
+
+
+class Scale(keras.layers.Layer):
+    """x * w, one trainable scalar (1; SGD at learning rate 0 keeps it so)."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(), initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+
+class Outputs(keras.metrics.Metric):
+    """Adds each row's output into the row of a (ROWS, UNITS) table the target names.
+
+    The engine sums a step's metric changes over replicas, so a step's
+    statistics hold the output of the whole global batch, row by row: with
+    inputs of ones, 1 / (1 - RATE) where dropout kept a unit and 0 where it dropped it.
+    """
+
+    def __init__(self):
+        super().__init__(name="outputs")
+        self.table = self.add_variable((ROWS, UNITS), "zeros", name="table")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        rows = ops.one_hot(ops.cast(y_true[:, 0], "int32"), ROWS)
+        self.table.assign_add(ops.matmul(ops.transpose(rows), y_pred))
+
+    def result(self):
+        return ops.sum(self.table)
+
+
+def dropout_model():
+    model = keras.Sequential([keras.Input((UNITS,)), Scale(), keras.layers.Dropout(RATE)])
+    model.compile(optimizer=keras.optimizers.SGD(0.0), loss="mse", metrics=[Outputs()])
+    return model
+
+
+ONES = np.ones((ROWS, UNITS), np.float32)
+ROW_IDS = np.repeat(np.arange(ROWS, dtype=np.float32)[:, None], UNITS, axis=1)
+
+
+def dropout_outputs(replicas, seed, train_steps=2):
+    """The outputs, (steps, ROWS, UNITS), of `train_steps` train steps on one
+    batch, then of one evaluation step."""
+    engine = engines.create_engine(replicas)
+    keras.utils.set_random_seed(seed)
+    model, step = training.prepare_model(engine, ROWS, (ONES[:2], ROW_IDS[:2], None),
+                                         dropout_model)
+    engine.compile_steps(step, model.optimizer)
+    (key,) = [steps_key for steps_key, v in zip(step.keys[2:], step.metric_variables)
+              if tuple(v.shape) == (ROWS, UNITS)]
+    batch = (ONES, ROW_IDS, None, np.ones(ROWS, np.float32))
+    chunk = engine.distribute(steps.stack_chunk([batch] * train_steps))
+    trained = np.asarray(engine.train_chunk(chunk, train_steps)[key])
+    evaluated = np.asarray(engine.eval_chunk(engine.distribute(steps.stack_chunk([batch])),
+                                             1)[key])
+    return trained, evaluated[0]
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_dropout_masks_differ_per_replica_and_step_repeat_per_seed_and_stop_in_eval(
+        replicas):
+    trained, evaluated = dropout_outputs(replicas, seed=21)
+    assert set(np.unique(trained)) == {0.0, 1.0 / (1.0 - RATE)}
+    masks = trained > 0
+    assert 0.4 < masks.mean() < 0.6  # Keeps 1 - RATE of the units (16 x 64 x 2 draws).
+    # Each replica's rows, within one step: none has another's mask.
+    per_replica = masks.reshape(2, replicas, ROWS // replicas, UNITS)
+    for s in range(2):
+        for i in range(replicas):
+            for j in range(i):
+                assert (per_replica[s, i] != per_replica[s, j]).any(), (s, i, j)
+    assert (masks[0] != masks[1]).any()  # A new mask each step.
+    np.testing.assert_array_equal(evaluated, ONES)  # Evaluation: no dropout, no scaling.
+
+    again, _ = dropout_outputs(replicas, seed=21)
+    np.testing.assert_array_equal(again, trained)  # The same seed, the same masks.
+    other, _ = dropout_outputs(replicas, seed=22)
+    assert (other != trained).any()
+    single, _ = dropout_outputs(1, seed=21)
+    if BACKEND == "jax":  # One program draws the global batch's masks, however sharded.
+        np.testing.assert_array_equal(trained, single)
+    else:  # Replica 0 draws what one device would for its rows; the others their own.
+        rows = ROWS // replicas
+        np.testing.assert_array_equal(trained[:, :rows], single[:, :rows])
+        assert (trained[:, rows:] != single[:, rows:]).any()
+
+
+# -- d. BatchNormalization's moving statistics after one step ---------------------------
+
+FEATURES, MOMENTUM = 3, 0.9
+
+
+def bn_model():
+    model = keras.Sequential([keras.Input((FEATURES,)),
+                              keras.layers.BatchNormalization(momentum=MOMENTUM)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def bn_batch():
+    """16 rows whose quarters have different means, so per-replica moments differ."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(0.0, 1.0, (16, FEATURES)) + np.repeat([0.0, 2.0, 6.0, 9.0], 4)[:, None]
+    return x.astype(np.float32), np.zeros((16, FEATURES), np.float32)
+
+
+def moving_statistics_after_a_step(replicas, tmp_path):
+    """(moving mean, moving variance) after one train step on `bn_batch`, and the
+    same read back from its checkpoint by a fresh, undistributed model."""
+    engine = engines.create_engine(replicas)
+    keras.utils.set_random_seed(3)
+    x, y = bn_batch()
+    model, step = training.prepare_model(engine, len(x), (x[:2], y[:2], None), bn_model)
+    engine.compile_steps(step, model.optimizer)
+    engine.train_chunk(engine.distribute(steps.stack_chunk(
+        [(x, y, None, np.ones(len(x), np.float32))])), 1)
+    engine.sync_to_model()
+    layer = model.layers[0]
+    moved = np.array(layer.moving_mean.numpy()), np.array(layer.moving_variance.numpy())
+    manager = checkpoints.CheckpointManager(str(tmp_path / f"r{replicas}"))
+    manager.prepare()
+    path = manager.save(model, 1, {})
+    no_distribution()
+    fresh = bn_model()
+    checkpoints.restore(fresh, path)
+    restored = (np.array(fresh.layers[0].moving_mean.numpy()),
+                np.array(fresh.layers[0].moving_variance.numpy()))
+    return moved, restored
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_batch_norm_moving_statistics_after_one_step(replicas, tmp_path):
+    x, _ = bn_batch()
+    (mean, variance), restored = moving_statistics_after_a_step(replicas, tmp_path)
+    # The checkpoint carries them exactly.
+    np.testing.assert_array_equal(restored[0], mean)
+    np.testing.assert_array_equal(restored[1], variance)
+
+    keep, new = MOMENTUM, 1.0 - MOMENTUM  # From the initial 0 and 1.
+    global_mean = new * x.mean(0, dtype=np.float64)
+    global_variance = keep + new * x.var(0, dtype=np.float64)
+    parts = x.reshape(replicas, -1, FEATURES).astype(np.float64)
+    replicas_variance = keep + new * parts.var(1).mean(0)
+    # Every engine: the moving mean is the global batch's (the mean of equal-size
+    # replica means).
+    np.testing.assert_allclose(mean, global_mean, rtol=0, atol=1e-6)
+    if BACKEND == "jax" or replicas == 1:
+        # JAX normalizes the global sharded batch: the global batch's variance.
+        np.testing.assert_allclose(variance, global_variance, rtol=0, atol=1e-6)
+    else:
+        # TensorFlow normalizes each replica's rows: the mean of their variances,
+        # below the global batch's by the variance of the replicas' means.
+        np.testing.assert_allclose(variance, replicas_variance, rtol=0, atol=1e-6)
+        assert (global_variance - variance > 0.1).all()
+    expected = global_variance if BACKEND == "jax" or replicas == 1 else replicas_variance
+    print(f"\n[{BACKEND}, {replicas}] moving mean {mean} (off by "
+          f"{np.abs(mean - global_mean).max():.1e}), variance {variance} (off by "
+          f"{np.abs(variance - expected).max():.1e}); global batch's {global_variance}, "
+          f"replicas' {replicas_variance}")
+
+
+@pytest.mark.skipif(BACKEND != "jax", reason="JAX: N replicas are one program")
+def test_jax_batch_norm_statistics_of_n_replicas_are_those_of_one(tmp_path):
+    one, _ = moving_statistics_after_a_step(1, tmp_path)
+    for replicas in (2, 4):
+        many, _ = moving_statistics_after_a_step(replicas, tmp_path)
+        for a, b in zip(many, one):
+            np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+        print(f"\n[jax] {replicas} vs 1 replica: largest difference "
+              f"{max(float(np.abs(a - b).max()) for a, b in zip(many, one)):.2e}")
