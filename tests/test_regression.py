@@ -2,8 +2,8 @@
 
 kdist's SGD steps must move the weights as Keras `fit` does on one device
 (same weights, same batches), and its evaluation must give `model.evaluate`'s
-numbers on a test set that no global batch divides (1,001 examples: the last
-batch is padded and its padding masked).
+numbers on a test set that no global batch divides (1,001 examples: full
+global batches, then the rest as one smaller batch).
 """
 
 import keras
@@ -71,7 +71,7 @@ def test_sgd_steps_and_evaluation_equal_keras(replicas, outputs):
     model.set_weights(initial)  # Before compile_steps: the engine takes the values then.
     engine.compile_steps(step, model.optimizer)
     batches = [tuple(a[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH] for a in train)
-               + (None, np.ones(GLOBAL_BATCH, np.float32)) for i in range(STEPS)]
+               + (None,) for i in range(STEPS)]
     totals, done = steps.run_steps(engine, engine.train_chunk, batches, steps.zero_totals(step),
                                    steps_per_execution=STEPS)
     engine.sync_to_model()
@@ -128,7 +128,7 @@ def test_sample_weights_go_to_weighted_metrics_only_as_in_keras():
     model.set_weights(initial)
     engine.compile_steps(step, model.optimizer)
     batches = [tuple(a[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
-                     for a in (*train, train_weight)) + (np.ones(GLOBAL_BATCH, np.float32),)
+                     for a in (*train, train_weight))
                for i in range(STEPS)]
     totals, _ = steps.run_steps(engine, engine.train_chunk, batches, steps.zero_totals(step),
                                 steps_per_execution=STEPS)

@@ -272,7 +272,7 @@ def dropout_outputs(replicas, seed, train_steps=2):
     engine.compile_steps(step, model.optimizer)
     (key,) = [steps_key for steps_key, v in zip(step.keys[2:], step.metric_variables)
               if tuple(v.shape) == (ROWS, UNITS)]
-    batch = (ONES, ROW_IDS, None, np.ones(ROWS, np.float32))
+    batch = (ONES, ROW_IDS, None)
     chunk = engine.distribute(steps.stack_chunk([batch] * train_steps))
     trained = np.asarray(engine.train_chunk(chunk, train_steps)[key])
     evaluated = np.asarray(engine.eval_chunk(engine.distribute(steps.stack_chunk([batch])),
@@ -337,7 +337,7 @@ def moving_statistics_after_a_step(replicas, tmp_path):
     model, step = training.prepare_model(engine, len(x), (x[:2], y[:2], None), bn_model)
     engine.compile_steps(step, model.optimizer)
     engine.train_chunk(engine.distribute(steps.stack_chunk(
-        [(x, y, None, np.ones(len(x), np.float32))])), 1)
+        [(x, y, None)])), 1)
     engine.sync_to_model()
     layer = model.layers[0]
     moved = np.array(layer.moving_mean.numpy()), np.array(layer.moving_variance.numpy())
