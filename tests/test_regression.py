@@ -84,7 +84,7 @@ def test_sgd_steps_and_evaluation_equal_keras(replicas, outputs):
     # The train loss and metrics of the epoch, as fit's history has them.
     train_gap = max(abs(train_results[k] / fit_logs[k] - 1) for k in METRICS)
 
-    # kdist's evaluation of 1,001 rows in padded global batches vs Keras
+    # kdist's evaluation of 1,001 rows (full global batches and the rest) vs Keras
     # evaluate, both on kdist's trained weights.
     results = steps.evaluate(engine, step, *test, None, GLOBAL_BATCH, steps_per_execution=3)
     no_distribution()
@@ -103,7 +103,7 @@ def test_sgd_steps_and_evaluation_equal_keras(replicas, outputs):
 
 def test_sample_weights_go_to_weighted_metrics_only_as_in_keras():
     """`metrics` ignore sample weights and `weighted_metrics` use them, as in
-    Keras fit and evaluate; evaluation padding counts in neither."""
+    Keras fit and evaluate, also on a test set no global batch divides."""
     train, test = regression_data(3)
     rng = np.random.default_rng(7)
     train_weight = rng.uniform(0.0, 2.0, TRAIN).astype(np.float32)
