@@ -35,7 +35,7 @@ def summarize_epochs(seconds, samples_per_epoch):
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution):
     keras.utils.set_random_seed(0)
     model, step = training.prepare_model(engine, global_batch,
-                                         training.sample_rows(dataset, global_batch))
+                                         training.sample_rows(dataset))
     engine.compile_steps(step, model.optimizer)
     seconds = []
     for epoch in range(1 + windows):

@@ -193,7 +193,7 @@ class _Run:
             keras.utils.set_random_seed(config.seed)
             self.model, self.step = prepare_model(
                 self.engine, self.global_batch,
-                sample_rows(dataset, self.global_batch // self.engine.shard[1]), model_fn,
+                sample_rows(dataset), model_fn,
                 optimizer_fn, config.learning_rate, loss_fn, compute_loss)
             _check_labels(dataset, self.model)
             self.position, self.note = _resume_position(config, self.manager, self.model,
@@ -298,10 +298,11 @@ def _step_callback(config, step, epoch, first_step, steps_per_epoch, global_batc
     return on_step
 
 
-def sample_rows(dataset, rows):
+def sample_rows(dataset, rows=2):
     """The first `rows` training examples, (x, zero targets, sample_weight): what
     builds the compiled loss and metrics, which need only shapes and dtypes
-    (zero targets fit every loss, so bad labels are reported by the checks)."""
+    (zero targets fit every loss, so bad labels are reported by the checks).
+    Few rows: the eager call that builds them runs on every device."""
     x, y, sample_weight = data.take_rows(dataset.split("train"), slice(0, rows))
     return x, data.map_arrays(np.zeros_like, y), sample_weight
 
@@ -323,7 +324,7 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model, loss_fn=None, comp
     test_ each metric}.
     """
     engine = engines.create_engine(distributed=False)
-    model, step = prepare_model(engine, batch_size, sample_rows(dataset, batch_size), model_fn,
+    model, step = prepare_model(engine, batch_size, sample_rows(dataset), model_fn,
                                 loss_fn=loss_fn, compute_loss=compute_loss, train=False)
     checkpoints.restore(model, path)
     _check_labels(dataset, model, splits=("test",))

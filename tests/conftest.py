@@ -30,6 +30,10 @@ if keras.backend.backend() == "tensorflow":
     from kdist.engines import tensorflow as tf_engine
 
     tf_engine.split_cpu(NUM_DEVICES)
+else:  # JAX starts its backend, with NUM_DEVICES CPUs, at its first device query:
+    import jax  # now, so no in-process command can change the count.
+
+    assert len(jax.devices()) == NUM_DEVICES
 
 from kdist import data  # noqa: E402
 
