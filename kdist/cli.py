@@ -56,6 +56,8 @@ def _config_argument(field):
     if field.default is not None and kind is not bool and "(default" not in help:
         help += " (default: %(default)s)"
     keywords = dict(dest=field.name, default=field.default, help=help)
+    if "choices" in field.metadata:
+        keywords["choices"] = field.metadata["choices"]
     if kind is bool:
         keywords["action"] = "store_false" if field.default else "store_true"
     elif kind in (int, float):
@@ -264,6 +266,7 @@ def evaluate_main(argv=None):
                     "with no distribution, on the backend chosen by KERAS_BACKEND, and "
                     "print its test accuracy.")
     _add_common(parser)
+    add_config_flags(parser, ["precision"])
     return _run(parser, argv, _evaluate)
 
 
@@ -273,7 +276,7 @@ def _evaluate(args):
     if path is None:
         raise errors.CheckpointError(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
                                      "train first or pass --checkpoint-dir")
-    result = kdist.evaluate_checkpoint(path, load_data(args))
+    result = kdist.evaluate_checkpoint(path, load_data(args), precision=args.precision)
     from kdist import reporting  # Loads Keras: only after _start.
 
     print(f"{path}: {reporting.format_results(result, 'test_')}")
