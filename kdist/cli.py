@@ -46,6 +46,17 @@ def _seed(text):
     return int(text)
 
 
+def _precisions(text):
+    """Comma-separated precisions (`kdist.precision.PRECISIONS`), each once."""
+    names = [name.strip() for name in text.split(",")]
+    bad = [name for name in names if name not in config.PRECISIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected one or more of {', '.join(config.PRECISIONS)} separated by commas, "
+            f"got {text!r}")
+    return tuple(dict.fromkeys(names))
+
+
 _PARSERS = {"seed": _seed}  # Number fields that are not simply "greater than 0".
 
 
@@ -296,6 +307,11 @@ def bench_main(argv=None):
     parser.add_argument("--windows", type=_positive(int), default=config.BENCH_WINDOWS,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
+    parser.add_argument("--precision", type=_precisions, default=(config.DEFAULT_PRECISION,),
+                        metavar="P[,P...]",
+                        help="the dtype policies to measure, each one table row: "
+                             f"{', '.join(config.PRECISIONS)}, or several separated by "
+                             "commas (default: float32)")
     _add_common(parser, checkpoints=False)
     # Keras' fit raises ValueError for inputs it cannot take; one line, as before.
     return _run(parser, argv, _bench, failures=(ValueError,))
@@ -306,5 +322,5 @@ def _bench(args):
     from kdist import bench
 
     bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
-              args.windows, args.steps_per_execution, log=_log)
+              args.windows, args.steps_per_execution, log=_log, precisions=args.precision)
     return 0
