@@ -138,15 +138,14 @@ def test_precision_holds_while_the_model_is_built_and_the_callers_policy_comes_b
 def test_the_cnn_computes_in_the_policy_with_float32_variables_and_logits(precision):
     engine = engines.create_engine(1, distributed=False)
     model, _ = training.build(engine, create_model, train=False, precision=precision)
-    images = np.zeros((2, 28, 28, 1), np.float32)
-    hidden = keras.Model(model.inputs, model.layers[-2].output)(images)
-    assert hidden.dtype == COMPUTE_DTYPE[precision]
-    assert model(images).dtype == "float32"  # The last Dense computes in float32.
+    # The symbolic outputs carry the dtypes the layers compute in.
+    assert [layer.output.dtype for layer in model.layers] == \
+        [COMPUTE_DTYPE[precision]] * (len(model.layers) - 1) + ["float32"]
     assert {v.dtype for v in model.weights} == {"float32"}
     # Keras' own default for a last layer without dtype: logits in the compute dtype.
     with _policy(precision):
         plain = keras.layers.Dense(3)
-    assert plain(np.zeros((2, 4), np.float32)).dtype == COMPUTE_DTYPE[precision]
+    assert plain(keras.KerasTensor((2, 4))).dtype == COMPUTE_DTYPE[precision]
 
 
 class _policy:
@@ -221,7 +220,8 @@ def test_n_replicas_match_one_within_the_precisions_rounding(one_replica, precis
         f"({max(worst) / UNIT_ROUNDOFF[precision]:.1f} u), per variable {np.round(worst, 5)}")
     print(f"\n{keras.backend.backend()} {precision} 1 vs {replicas}: max abs "
           f"{max(float(np.abs(a - b).max()) for a, b in zip(one, many)):.3g}, max relative "
-          f"to the update {max(worst):.3g} ({max(worst) / UNIT_ROUNDOFF[precision]:.1f} u)")
+          f"to the update {max(worst):.3g} ({max(worst) / UNIT_ROUNDOFF[precision]:.1f} u), "
+          f"per variable {np.round(worst, 5)}")
     assert stats["count"][0] == one_stats["count"][0] == 32
     assert stats["loss_sum"][0] == pytest.approx(one_stats["loss_sum"][0], rel=1e-5)
     assert stats["skipped"][0] == one_stats["skipped"][0] == 0
@@ -253,6 +253,22 @@ def test_a_fixed_loss_scale_factor_scales_the_loss_and_unscales_the_gradients():
 
 
 # Dynamic loss scaling and skipped steps.
+
+def test_the_optimizer_a_loss_scale_optimizer_wraps_accumulates_the_summed_gradients():
+    # The TensorFlow engine's adjustments (`kdist.engines.tf_optimizer`) must
+    # reach the wrapped optimizer: its `apply` would sum the replicas'
+    # gradients again, and its accumulation would run a tf.cond in a replica.
+    model_fn = compiled(tiny_mlp, lambda: keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.SGD(0.5, gradient_accumulation_steps=2)))
+    batches = [(FEATURES[:16], CLASSES[:16], None), (FEATURES[16:32], CLASSES[16:32], None)]
+    before, one, *_ = train(model_fn, "mixed_float16", None, batches, sample=batches[0])
+    _, two, model, stats, _ = train(model_fn, "mixed_float16", 2, batches, sample=batches[0])
+    np.testing.assert_array_equal(stats["skipped"], [0.0, 0.0])
+    assert number(model.optimizer.iterations) == 1  # Two batches, one update.
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(one, before))
+    worst = max(float(np.abs(a - b).max()) for a, b in zip(one, two))
+    assert moved > 1e-2 and worst <= 16 * UNIT_ROUNDOFF["mixed_float16"] * moved, (worst, moved)
+
 
 def test_steps_whose_gradients_overflow_are_skipped_alike_on_one_and_two_replicas():
     # A loss scale of 2^40 makes every float16 gradient overflow (float16 tops
