@@ -6,6 +6,9 @@ epoch (with compilation) is timed alone; the steady speed is the median
 samples/s of the other epochs. Epochs are timed whole, from start to a
 result on the host, so asynchronous dispatch cannot flatter either side.
 Evaluation time is the second full pass over the test set (the first compiles).
+With several precisions (`kdist.precision`) each is measured in turn, kdist
+then fit, and gets one row of the table and one JSON line; peak memory is
+the process's, so a later row's includes the earlier ones'.
 """
 
 import json
@@ -19,6 +22,7 @@ from kdist import data, engines, training
 from kdist.steps import evaluate, run_steps, zero_totals
 from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.model import create_model
+from kdist.precision import DEFAULT_PRECISION, check_precision, policy
 
 
 def peak_rss_mb():
@@ -32,10 +36,12 @@ def summarize_epochs(seconds, samples_per_epoch):
                 samples_per_sec=statistics.median(samples_per_epoch / s for s in seconds[1:]))
 
 
-def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution):
+def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
+                  precision=DEFAULT_PRECISION):
     keras.utils.set_random_seed(0)
     model, step = training.prepare_model(engine, global_batch,
-                                         training.sample_rows(dataset))
+                                         training.sample_rows(dataset),
+                                         precision=precision)
     engine.compile_steps(step, model.optimizer)
     seconds = []
     for epoch in range(1 + windows):
@@ -65,9 +71,9 @@ class _EpochTimes(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def measure_fit(engine, dataset, global_batch, steps, windows):
+def measure_fit(engine, dataset, global_batch, steps, windows, precision=DEFAULT_PRECISION):
     keras.utils.set_random_seed(0)
-    with engine.scope():
+    with engine.scope(), policy(precision):  # mixed_float16: compile adds loss scaling.
         model = create_model()
         model.compile(optimizer=keras.optimizers.Adam(1e-3),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -94,8 +100,12 @@ def _time_twice(fn):
 
 def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_per_replica,
         steps=None, windows=BENCH_WINDOWS, steps_per_execution=TrainConfig.steps_per_execution,
-        log=print):
-    """Measures kdist then fit; logs a table and returns the summary dict."""
+        log=print, *, precisions=(DEFAULT_PRECISION,)):
+    """Measures kdist then fit at each of `precisions`; logs a table with one row
+    per precision, then one JSON line each, and returns the summaries (a dict for
+    one precision, a list of them for several)."""
+    for precision in precisions:
+        check_precision(precision)
     engine = engines.create_engine(replicas)
     global_batch = batch_size_per_replica * engine.num_replicas
     steps = data.steps_per_epoch(dataset.size("train"), global_batch, steps)
@@ -103,32 +113,53 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
         f"{global_batch}, {steps} steps per epoch, 1 + {windows} epochs each, kdist "
         f"--steps-per-execution {steps_per_execution}, "
         f"data {dataset.source}")
-    mine = measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution)
-    theirs = measure_fit(engine, dataset, global_batch, steps, windows)
-    summary = dict(backend=engine.backend, replicas=engine.num_replicas,
-                   steps_per_execution=steps_per_execution,
-                   global_batch=global_batch, steps=steps,
-                   kdist_samples_per_sec=round(mine["samples_per_sec"]),
-                   fit_samples_per_sec=round(theirs["samples_per_sec"]),
-                   ratio=round(mine["samples_per_sec"] / theirs["samples_per_sec"], 3),
-                   first_epoch_seconds=round(mine["first_epoch_seconds"], 2),
-                   fit_first_epoch_seconds=round(theirs["first_epoch_seconds"], 2),
-                   eval_seconds=round(mine["eval_seconds"], 2),
-                   fit_eval_seconds=round(theirs["eval_seconds"], 2),
-                   peak_rss_mb=round(mine["peak_rss_mb"]))
-    log(format_table(mine, theirs))
-    log(json.dumps(summary))
-    return summary
+    rows, summaries = [], []
+    for precision in precisions:
+        mine = measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
+                             precision)
+        theirs = measure_fit(engine, dataset, global_batch, steps, windows, precision)
+        rows.append((precision, mine, theirs))
+        summaries.append(dict(
+            backend=engine.backend, replicas=engine.num_replicas, precision=precision,
+            steps_per_execution=steps_per_execution, global_batch=global_batch, steps=steps,
+            kdist_samples_per_sec=round(mine["samples_per_sec"]),
+            fit_samples_per_sec=round(theirs["samples_per_sec"]),
+            ratio=round(mine["samples_per_sec"] / theirs["samples_per_sec"], 3),
+            first_epoch_seconds=round(mine["first_epoch_seconds"], 2),
+            fit_first_epoch_seconds=round(theirs["first_epoch_seconds"], 2),
+            eval_seconds=round(mine["eval_seconds"], 2),
+            fit_eval_seconds=round(theirs["eval_seconds"], 2),
+            peak_rss_mb=round(mine["peak_rss_mb"])))
+    log(format_table(rows))
+    for summary in summaries:
+        log(json.dumps(summary))
+    return summaries[0] if len(summaries) == 1 else summaries
 
 
-def format_table(mine, theirs):
-    rows = [("train samples/s (median)", "samples_per_sec", "{:,.0f}"),
-            ("first epoch s (compiles)", "first_epoch_seconds", "{:.2f}"),
-            ("eval s (test set)", "eval_seconds", "{:.2f}"),
-            ("peak RSS MB (process)", "peak_rss_mb", "{:,.0f}")]
-    lines = [f"{'':26}{'kdist':>10}{'fit':>10}{'kdist/fit':>11}"]
-    for label, key, fmt in rows:
-        ratio = mine[key] / theirs[key] if theirs[key] else float("nan")
-        lines.append(f"{label:26}{fmt.format(mine[key]):>10}{fmt.format(theirs[key]):>10}"
-                     f"{ratio:>10.2f}x")
+# The table's columns: (heading, kdist's or fit's measurement, key, format).
+_COLUMNS = (("kdist samples/s", "kdist", "samples_per_sec", "{:,.0f}"),
+            ("fit samples/s", "fit", "samples_per_sec", "{:,.0f}"),
+            ("kdist/fit", None, "samples_per_sec", "{:.2f}x"),
+            ("first epoch s", "kdist", "first_epoch_seconds", "{:.2f}"),
+            ("fit first epoch s", "fit", "first_epoch_seconds", "{:.2f}"),
+            ("eval s", "kdist", "eval_seconds", "{:.2f}"),
+            ("fit eval s", "fit", "eval_seconds", "{:.2f}"),
+            ("peak RSS MB", "kdist", "peak_rss_mb", "{:,.0f}"))
+
+
+def format_table(rows):
+    """One line per (precision, kdist's measurements, fit's): train samples/s
+    (median of the steady epochs) of both and their ratio, the first epoch
+    (with compiling), a full test-set evaluation, and the peak memory."""
+    width = max(len("precision"), *(len(row[0]) for row in rows)) + 2
+    lines = [f"{'precision':{width}}" + "".join(f"{c[0]:>{len(c[0]) + 2}}" for c in _COLUMNS)]
+    for precision, mine, theirs in rows:
+        cells = []
+        for heading, who, key, fmt in _COLUMNS:
+            if who is None:
+                value = mine[key] / theirs[key] if theirs[key] else float("nan")
+            else:
+                value = (mine if who == "kdist" else theirs)[key]
+            cells.append(f"{fmt.format(value):>{len(heading) + 2}}")
+        lines.append(f"{precision:{width}}" + "".join(cells))
     return "\n".join(lines)

@@ -10,6 +10,7 @@ import math
 import os
 
 from kdist.errors import UsageError
+from kdist.precision import check_precision
 
 SEED_RANGE = (0, 2**32 - 1)  # What NumPy's global seed (keras.utils.set_random_seed) takes.
 
@@ -42,6 +43,7 @@ def check_config(config):
     check_positive(config.replicas, "replicas", optional=True)
     check_positive(config.steps_per_epoch, "steps_per_epoch", optional=True)
     check_seed(config.seed)
+    check_precision(config.precision)
 
 
 def metrics_csv_path(path):

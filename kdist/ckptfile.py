@@ -96,12 +96,16 @@ def verify(data):
 
 
 def load(model, data):
-    """Loads verified checkpoint bytes `data` into `model`, its seed generators' state included.
+    """Loads verified checkpoint bytes `data` into `model` (and its optimizer), its
+    seed generators' state included.
 
-    Raises InvalidCheckpoint if the file holds the state of another number
-    of seed generators than the model has.
+    A checkpoint moves between precisions (`kdist.precision`): the
+    variables are float32 under every policy, and the optimizer state is
+    translated where mixed_float16's `LossScaleOptimizer` is on one side
+    only (`_fit_optimizer_layout`). Raises InvalidCheckpoint if the file
+    holds the state of another number of seed generators than the model has.
     """
-    model.load_weights(_Buffer(data))
+    model.load_weights(_Buffer(_fit_optimizer_layout(data, getattr(model, "optimizer", None))))
     with h5py.File(_Buffer(data), "r") as f:
         if SEED_GROUP not in f:
             return
@@ -116,6 +120,54 @@ def load(model, data):
 def seed_states(model):
     """The state variables of the model's `keras.random.SeedGenerator`s, in order."""
     return [v for v in model.variables if v.path.endswith("seed_generator_state")]
+
+
+def _fit_optimizer_layout(data, optimizer):
+    """`data` with its optimizer state in the layout `optimizer` reads.
+
+    Keras writes a `LossScaleOptimizer` as `optimizer/vars` (its own
+    variables: iterations, learning rate, step counter, loss scale; then
+    the wrapped optimizer's) and `optimizer/inner_optimizer/vars` (the
+    wrapped optimizer's); a plain optimizer as `optimizer/vars`. Keras
+    itself skips, with a warning, optimizer state whose count differs, which
+    would silently restart Adam's moments. Here instead:
+
+    - written with a `LossScaleOptimizer`, read without one (mixed_float16
+      to float32 or mixed_bfloat16): the wrapped optimizer's state is
+      restored; the loss scale is dropped.
+    - written without, read with one: the state goes to the wrapped
+      optimizer; the loss scale and its step counter keep the values they
+      have (a fresh run's: the initial scale).
+
+    The same optimizer on both sides, or no optimizer (evaluation): `data`
+    unchanged.
+    """
+    if optimizer is None:
+        return data
+    import keras  # Here: reading metadata needs no framework.
+
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+    with h5py.File(_Buffer(data), "r") as f:
+        if "optimizer/vars" not in f or ("optimizer/inner_optimizer/vars" in f) == scaled:
+            return data
+    buffer = _Buffer(data)
+    with h5py.File(buffer, "a") as f:
+        group = f["optimizer"]
+        if not scaled:  # The wrapped optimizer's state becomes the optimizer's.
+            del group["vars"]
+            group.move("inner_optimizer/vars", "vars")
+            del group["inner_optimizer"]
+        else:
+            inner = [group["vars"][str(i)][()] for i in range(len(group["vars"]))]
+            own = optimizer.variables[:len(optimizer.variables)
+                                      - len(optimizer.inner_optimizer.variables)]
+            group.require_group("inner_optimizer")
+            group.move("vars", "inner_optimizer/vars")
+            values = group.create_group("vars")
+            for i, value in enumerate([np.array(keras.ops.convert_to_numpy(v)) for v in own]
+                                      + inner):
+                values[str(i)] = value
+    return buffer.getvalue()
 
 
 def _scan(f):

@@ -46,6 +46,17 @@ def _seed(text):
     return int(text)
 
 
+def _precisions(text):
+    """Comma-separated precisions (`kdist.precision.PRECISIONS`), each once."""
+    names = [name.strip() for name in text.split(",")]
+    bad = [name for name in names if name not in config.PRECISIONS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected one or more of {', '.join(config.PRECISIONS)} separated by commas, "
+            f"got {text!r}")
+    return tuple(dict.fromkeys(names))
+
+
 _PARSERS = {"seed": _seed}  # Number fields that are not simply "greater than 0".
 
 
@@ -56,6 +67,8 @@ def _config_argument(field):
     if field.default is not None and kind is not bool and "(default" not in help:
         help += " (default: %(default)s)"
     keywords = dict(dest=field.name, default=field.default, help=help)
+    if "choices" in field.metadata:
+        keywords["choices"] = field.metadata["choices"]
     if kind is bool:
         keywords["action"] = "store_false" if field.default else "store_true"
     elif kind in (int, float):
@@ -264,6 +277,7 @@ def evaluate_main(argv=None):
                     "with no distribution, on the backend chosen by KERAS_BACKEND, and "
                     "print its test accuracy.")
     _add_common(parser)
+    add_config_flags(parser, ["precision"])
     return _run(parser, argv, _evaluate)
 
 
@@ -273,7 +287,7 @@ def _evaluate(args):
     if path is None:
         raise errors.CheckpointError(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
                                      "train first or pass --checkpoint-dir")
-    result = kdist.evaluate_checkpoint(path, load_data(args))
+    result = kdist.evaluate_checkpoint(path, load_data(args), precision=args.precision)
     from kdist import reporting  # Loads Keras: only after _start.
 
     print(f"{path}: {reporting.format_results(result, 'test_')}")
@@ -293,6 +307,11 @@ def bench_main(argv=None):
     parser.add_argument("--windows", type=_positive(int), default=config.BENCH_WINDOWS,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
+    parser.add_argument("--precision", type=_precisions, default=(config.DEFAULT_PRECISION,),
+                        metavar="P[,P...]",
+                        help="the dtype policies to measure, each one table row: "
+                             f"{', '.join(config.PRECISIONS)}, or several separated by "
+                             "commas (default: float32)")
     _add_common(parser, checkpoints=False)
     # Keras' fit raises ValueError for inputs it cannot take; one line, as before.
     return _run(parser, argv, _bench, failures=(ValueError,))
@@ -303,5 +322,5 @@ def _bench(args):
     from kdist import bench
 
     bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
-              args.windows, args.steps_per_execution, log=_log)
+              args.windows, args.steps_per_execution, log=_log, precisions=args.precision)
     return 0

@@ -15,13 +15,17 @@ when called).
 import dataclasses
 
 from kdist import checks
+from kdist.precision import DEFAULT_PRECISION, PRECISIONS
 
 BENCH_WINDOWS = 4  # Steady epochs `kdist.bench` times after the first.
 
 
-def _setting(default, help, flag=""):
-    """A field with a default and its flag's help; `flag` None: no flag, "": the default name."""
+def _setting(default, help, flag="", choices=None):
+    """A field with a default and its flag's help; `flag` None: no flag, "": the default
+    name; `choices`: the values the flag takes."""
     metadata = {"help": help} if flag == "" else {"help": help, "flag": flag}
+    if choices is not None:
+        metadata["choices"] = choices
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -50,6 +54,11 @@ class TrainConfig:
               "epoch)")
     steps_per_execution: int = _setting(
         8, "train steps run by one compiled call; statistics come back once per call")
+    precision: str = _setting(
+        DEFAULT_PRECISION, "the Keras dtype policy the model is built under: float32, or "
+        "layers computing in bfloat16 or float16 with float32 variables (mixed_float16 "
+        "adds dynamic loss scaling); a layer created with its own dtype keeps it",
+        choices=PRECISIONS)
     metrics_file: str | None = _setting(
         None, "write one JSON object per epoch (and one for the restored model) to this file, "
               "and the epochs as CSV to PATH with .csv in place of its suffix; a fresh run "

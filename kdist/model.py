@@ -59,7 +59,12 @@ class Conv2D(keras.layers.Conv2D):
 def create_model(num_classes=10):
     """Conv2D(32,3,relu)-MaxPool-Conv2D(64,3,relu)-MaxPool-Flatten-Dense(64,relu)-Dense(10).
 
-    The last layer returns logits; the loss applies the softmax.
+    The last layer returns logits; the loss applies the softmax. It computes
+    in float32 under every dtype policy (`kdist.precision`): under a mixed
+    policy the layers before it compute in bfloat16 or float16, and logits
+    rounded to those (bfloat16 keeps 8 significant bits: a logit of 10 is
+    off by up to 0.03) would enter the float32 loss with that error, as
+    Keras' mixed precision guide warns.
     """
     return keras.Sequential(
         [
@@ -70,7 +75,7 @@ def create_model(num_classes=10):
             MaxPooling2D(),
             keras.layers.Flatten(),
             keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(num_classes),
+            keras.layers.Dense(num_classes, dtype="float32"),
         ],
         name="fashion_cnn",
     )

@@ -19,20 +19,26 @@ class EpochRecord:
     test: dict
     seconds: float | None  # Its training time; None if all of it was trained before a resume.
     samples_per_sec: float | None
+    # Train steps the optimizer skipped (non-finite gradients under dynamic loss scaling).
+    skipped_steps: int = 0
 
     def as_dict(self):
-        """{"epoch", "train_<name>"..., "test_<name>"..., "seconds", "samples_per_sec"}."""
+        """{"epoch", "train_<name>"..., "test_<name>"..., "seconds", "samples_per_sec",
+        "skipped_steps"}."""
         return dict(epoch=self.epoch, **{f"train_{k}": v for k, v in self.train.items()},
                     **{f"test_{k}": v for k, v in self.test.items()},
-                    seconds=self.seconds, samples_per_sec=self.samples_per_sec)
+                    seconds=self.seconds, samples_per_sec=self.samples_per_sec,
+                    skipped_steps=self.skipped_steps)
 
     @classmethod
     def from_dict(cls, values):
+        """The record of `as_dict`; a record written before kdist counted skipped
+        steps has none."""
         def part(prefix):
             return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
 
         return cls(values["epoch"], part("train_"), part("test_"), values["seconds"],
-                   values["samples_per_sec"])
+                   values["samples_per_sec"], values.get("skipped_steps", 0))
 
 
 @dataclasses.dataclass(frozen=True)

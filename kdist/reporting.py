@@ -36,7 +36,10 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
         f"Data: {dataset.source} ({dataset.size('train'):,} train, "
         f"{dataset.size('test'):,} test examples)",
         f"Checkpoints: {os.path.abspath(config.checkpoint_dir)}, {checkpoint_note}",
-    ])
+    ] + ([f"Precision: {config.precision}" + (
+        " (dynamic loss scaling)"
+        if config.precision == "mixed_float16" else "")]
+         if config.precision != "float32" else []))
 
 
 def format_results(results, prefix=""):
@@ -63,14 +66,19 @@ def format_results(results, prefix=""):
     return ", ".join(parts)
 
 
-def format_epoch(record, epochs):
+def format_epoch(record, epochs, show_skipped=False):
     """The tutorial's epoch line for an `EpochRecord`, with its speed.
 
     An epoch with no steps left to train when it resumed has no speed (its
-    `seconds` is None).
+    `seconds` is None). With `show_skipped` (a run with dynamic loss
+    scaling), or when a step was skipped, the line ends with the skipped
+    steps: "(2.0 s, 512 samples/s; 1 step skipped)".
     """
     speed = ("trained before the resume" if record.seconds is None else
              f"{record.seconds:.1f} s, {record.samples_per_sec:,.0f} samples/s")
+    if show_skipped or record.skipped_steps:
+        count = record.skipped_steps
+        speed += f"; {count} step{'' if count == 1 else 's'} skipped"
     return (f"Epoch {record.epoch}/{epochs}, {format_results(record.train)}, "
             f"{format_results({f'test_{k}': v for k, v in record.test.items()}, 'test_')} "
             f"({speed})")
@@ -92,7 +100,8 @@ class MetricsWriter:
         self.path = path
         self.csv_path = checks.metrics_csv_path(path) if path else None
         keys = [f"{split}_{name}" for split in ("train", "test") for name in metric_names]
-        self.csv_columns = ("epoch",) + tuple(sorted(keys + ["seconds", "samples_per_sec"]))
+        self.csv_columns = ("epoch",) + tuple(sorted(keys + ["seconds", "samples_per_sec",
+                                                             "skipped_steps"]))
 
     def start(self, history):
         """Replaces both files with `history`, the `EpochRecord`s of the epochs done so far."""

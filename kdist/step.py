@@ -20,10 +20,21 @@ and the engine SUMS gradients over programs. That share is:
   (per-example losses, y_pred)`): kdist computes sum(sample weight x loss)
   / GLOBAL batch + share x the model's losses.
 
+Loss scaling for mixed precision (`kdist.precision`): when the optimizer
+scales the loss (a `keras.optimizers.LossScaleOptimizer`, which Keras'
+`compile` puts around the optimizer of a mixed_float16 model, or an
+optimizer with `loss_scale_factor`), the engine passes `loss_scale(optimizer)`
+and the step differentiates its loss times that factor, as Keras'
+`optimizer.scale_loss` does in `fit`. The engine sums the scaled gradients
+over programs; the optimizer divides the sum by the scale and, with a
+`LossScaleOptimizer`, skips a step whose summed gradients are not finite,
+on every replica alike (`skipped`). Statistics stay unscaled.
+
 Statistics come back per step as a dict of arrays, summed over programs by
 the engine and over steps by the loop (`kdist.steps`): `loss_sum` (the
-loss times the examples it is the mean of), `count` (the examples) and one
-entry per metric variable, the
+loss times the examples it is the mean of), `count` (the examples),
+`skipped` (1 for a train step the optimizer skipped, counted once however
+many programs ran it; 0 otherwise) and one entry per metric variable, the
 change the batch made to it from its reset value. Keras metrics merge by
 summing their variables (their declared `aggregation`), so the sum of the
 changes over replicas, workers and steps is the state one metric would
@@ -39,7 +50,7 @@ from keras import ops
 from kdist.data import leaves as data_leaves
 from kdist.errors import UsageError
 
-LOSS_KEYS = ("loss_sum", "count")
+LOSS_KEYS = ("loss_sum", "count", "skipped")
 
 
 def metric_key(index):
@@ -73,13 +84,18 @@ class Step:
                              for v in self.metric_variables]
         self.keys = LOSS_KEYS + tuple(metric_key(i) for i in range(len(self.metric_variables)))
 
-    def loss_and_updates(self, trainable, non_trainable, batch, training, share=1.0):
+    def loss_and_updates(self, trainable, non_trainable, batch, training, share=1.0,
+                         loss_scale=None):
         """(loss to differentiate, (statistics, new non-trainable values)).
 
         `batch` is (x, y, sample_weight), every example real (evaluation
         never pads: `kdist.steps.evaluate`); `sample_weight` is the user's
         (None: all 1). `share` is the fraction of the global batch this
         program sees (1/replicas inside a TensorFlow replica, 1 on JAX).
+        `loss_scale` (`loss_scale(optimizer)`, None: 1) multiplies the loss
+        to differentiate, not the statistics. The statistics' `skipped` is
+        0: whether the optimizer skips the step is known only after the
+        gradients are summed (`skipped`), so the engine sets it.
         """
         model = self.model
         x, y, weight = batch
@@ -104,13 +120,16 @@ class Step:
                                    per_example * ops.cast(weight, "float32"))
                 loss = data_sum / self.global_batch_size + share * model_losses
             model.compute_metrics(x, y, y_pred, weight)
-        stats = {"loss_sum": data_sum + model_losses * rows, "count": rows}
+        stats = {"loss_sum": data_sum + model_losses * rows, "count": rows,
+                 "skipped": ops.zeros((), "float32")}
         for i, (variable, reset) in enumerate(zip(self.metric_variables, self.reset_values)):
             value = scope.get_current_value(variable)
             stats[metric_key(i)] = ops.cast(value, "float32") - reset.astype("float32")
         # None where the step assigned nothing (frozen weights): engines skip those.
         new_non_trainable = [None if new is old else new for new, old in zip(
             (scope.get_current_value(v) for v in model.non_trainable_variables), before)]
+        if loss_scale is not None:
+            loss = ops.cast(loss, "float32") * loss_scale
         return loss, (stats, new_non_trainable)
 
     def results(self, totals):
@@ -153,6 +172,54 @@ def reported_metrics(model):
     return [m for m in model.metrics if m is not tracker]
 
 
+def inner_optimizer(optimizer):
+    """The optimizer that updates the weights: the one a `LossScaleOptimizer`
+    wraps, else `optimizer` itself (clipping, accumulation, EMA live there)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def scales_loss(optimizer):
+    """Whether `optimizer.scale_loss` changes the loss: a `LossScaleOptimizer`
+    (dynamic scale), or an optimizer with a fixed `loss_scale_factor`."""
+    return optimizer is not None and (
+        isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        or getattr(optimizer, "loss_scale_factor", None) is not None)
+
+
+def loss_scale(optimizer, values=None):
+    """The factor a step multiplies its loss by before differentiating, or None.
+
+    It is Keras' `optimizer.scale_loss`, as `fit` applies it: the current
+    dynamic scale of a `LossScaleOptimizer` (a float32 scalar), a fixed
+    `loss_scale_factor`, or None for an optimizer that does not scale (or
+    no optimizer). `values`, the values of `optimizer.variables`, are read
+    in place of the variables (JAX keeps the state as arrays); without
+    them the variables are read (TensorFlow, inside the traced step).
+    """
+    if not scales_loss(optimizer):
+        return None
+    one = ops.ones((), "float32")
+    if values is None:
+        return ops.cast(optimizer.scale_loss(one), "float32")
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
+        return ops.cast(optimizer.scale_loss(one), "float32")
+
+
+def skipped(optimizer, grads):
+    """1.0 (float32) if `optimizer` skips a step with these gradients, else 0.0.
+
+    A `LossScaleOptimizer` skips a step (updates no weight, halves its
+    scale) when a gradient is not finite (`check_finite`). `grads` must be
+    the gradients summed over every replica, which are the same on each, so
+    every replica decides alike. Other optimizers never skip.
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return ops.zeros((), "float32")
+    return 1.0 - ops.cast(optimizer.check_finite(grads), "float32")
+
+
 def ema_variables(optimizer, variables):
     """The optimizer's moving averages of `variables`, or None without `use_ema`.
 
@@ -167,6 +234,7 @@ def ema_variables(optimizer, variables):
     The averages hold zeros until the first train step (Keras' initial
     value), so a model that never trained evaluates with zero trainable weights.
     """
+    optimizer = inner_optimizer(optimizer)  # A LossScaleOptimizer's inner one keeps them.
     if optimizer is None or not getattr(optimizer, "use_ema", False):
         return None
     averages = optimizer._model_variables_moving_average

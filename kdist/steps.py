@@ -12,16 +12,22 @@ import numpy as np
 
 from kdist import data
 from kdist.errors import UsageError
+from kdist.step import LOSS_KEYS
 
 
 def zero_totals(step):
     """Totals of no steps, for `step` (a `kdist.step.Step`)."""
     return {key: np.zeros(np.shape(reset), np.float64)
-            for key, reset in zip(step.keys, [0.0] * 2 + step.reset_values)}
+            for key, reset in zip(step.keys, [0.0] * len(LOSS_KEYS) + step.reset_values)}
 
 
 def totals_from_json(values, step):
-    """Totals read back from a checkpoint; None unless they fit `step`'s metrics."""
+    """Totals read back from a checkpoint; None unless they fit `step`'s metrics.
+
+    Totals written before kdist counted skipped steps have no `skipped`:
+    none was skipped then."""
+    if values is not None and "skipped" not in values:
+        values = dict(values, skipped=0.0)
     if values is None or set(values) != set(step.keys):
         return None
     totals = {k: np.asarray(v, np.float64) for k, v in values.items()}

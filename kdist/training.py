@@ -19,6 +19,7 @@ from kdist import checkpoints, checks, data, engines, interrupt, losses, records
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.model import create_model
+from kdist.precision import policy
 from kdist.step import Step, build_metrics
 from kdist.steps import evaluate, run_steps, totals_from_json, zero_totals
 
@@ -27,8 +28,15 @@ DEFAULT_LEARNING_RATE = 1e-3  # Of the optimizers kdist builds (--optimizer).
 
 
 def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
-          compute_loss=None, sample=None, train=True):
+          compute_loss=None, sample=None, train=True, precision=None):
     """Creates the compiled model in the engine's scope; returns (model, optimizer).
+
+    `precision` (`kdist.precision.PRECISIONS`; None: Keras' global policy as
+    it is) is the Keras dtype policy set while `model_fn` builds the model
+    and it is compiled, then the caller's policy is back. Under
+    mixed_float16, Keras' `compile` wraps the optimizer in a
+    `LossScaleOptimizer` (dynamic loss scaling), for a model kdist compiles
+    and for one `model_fn` compiles alike.
 
     A model that `model_fn` returns compiled (optimizer, loss, metrics, as
     for `fit`) is used as it is. An uncompiled one is compiled here with
@@ -40,7 +48,7 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     state with the weights. `sample`, a few (x, y) rows, builds the
     compiled loss and metrics (`kdist.step.build`).
     """
-    with engine.scope():
+    with engine.scope(), policy(precision):
         model = model_fn()
         if model.compiled:
             if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:
@@ -64,7 +72,8 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
 
 
 def prepare_model(engine, global_batch_size, sample, model_fn=create_model, optimizer_fn=None,
-                  learning_rate=None, loss_fn=None, compute_loss=None, train=True):
+                  learning_rate=None, loss_fn=None, compute_loss=None, train=True,
+                  precision=None):
     """`build`, then the model's `Step`: returns (model, step).
 
     `sample` is a few (x, y, sample_weight) rows (`sample_rows`). Restore a
@@ -72,7 +81,7 @@ def prepare_model(engine, global_batch_size, sample, model_fn=create_model, opti
     an engine may take the variables' values when it compiles.
     """
     model, _ = build(engine, model_fn, optimizer_fn, learning_rate, loss_fn,
-                     compute_loss, sample=sample, train=train)
+                     compute_loss, sample=sample, train=train, precision=precision)
     return model, Step(model, global_batch_size, compute_loss)
 
 
@@ -134,7 +143,7 @@ def _train(run, log, stop):
     while position.epoch < config.epochs:
         position, record = run.train_epoch(position, stop)
         if record is not None:  # The epoch's steps are done and it is evaluated.
-            log(reporting.format_epoch(record, config.epochs))
+            log(reporting.format_epoch(record, config.epochs, run.dynamic_loss_scale))
             stop.poll()  # A signal may have come during the evaluation.
         if stop or _checkpoint_due(config, position):
             path = run.save(position)
@@ -150,7 +159,7 @@ def _train(run, log, stop):
     latest = run.manager.latest()
     restored = evaluate_checkpoint(latest[0], dataset, run.model_fn, run.loss_fn,
                                    run.compute_loss, run.global_batch,
-                                   config.steps_per_execution)
+                                   config.steps_per_execution, precision=config.precision)
     log(f"Restored {latest[0]} without distribution: "
         f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
@@ -194,7 +203,11 @@ class _Run:
             self.model, self.step = prepare_model(
                 self.engine, self.global_batch,
                 sample_rows(dataset), model_fn,
-                optimizer_fn, config.learning_rate, loss_fn, compute_loss)
+                optimizer_fn, config.learning_rate, loss_fn, compute_loss,
+                precision=config.precision)
+            # Whether the optimizer may skip steps: the epoch lines then count them.
+            self.dynamic_loss_scale = isinstance(self.model.optimizer,
+                                                 keras.optimizers.LossScaleOptimizer)
             _check_labels(dataset, self.model)
             self.position, self.note = _resume_position(config, self.manager, self.model,
                                                         self.step)
@@ -229,7 +242,8 @@ class _Run:
                         self.global_batch, self.config.steps_per_execution)
         record = records.EpochRecord(
             epoch + 1, self.step.results(totals), test, seconds,
-            done * self.global_batch / seconds if done else None)
+            done * self.global_batch / seconds if done else None,
+            skipped_steps=round(float(totals["skipped"])))
         return records.Position(epoch + 1, 0, None, position.history + (record,)), record
 
     def save(self, position):
@@ -317,15 +331,19 @@ def _check_labels(dataset, model, splits=("train", "test")):
 
 def evaluate_checkpoint(path, dataset, model_fn=create_model, loss_fn=None, compute_loss=None,
                         batch_size=TrainConfig.batch_size_per_replica,
-                        steps_per_execution=TrainConfig.steps_per_execution):
+                        steps_per_execution=TrainConfig.steps_per_execution, *,
+                        precision=TrainConfig.precision):
     """Restores `path` into a fresh model with no distribution and evaluates it.
 
-    Returns {"restored": True, "checkpoint": path, "test_loss": ..., and
-    test_ each metric}.
+    The model is built under dtype policy `precision` (`kdist.precision`):
+    a checkpoint of any precision restores into any (its variables are
+    float32). Returns {"restored": True, "checkpoint": path, "test_loss":
+    ..., and test_ each metric}.
     """
     engine = engines.create_engine(distributed=False)
-    model, step = prepare_model(engine, batch_size, sample_rows(dataset), model_fn,
-                                loss_fn=loss_fn, compute_loss=compute_loss, train=False)
+    model, step = prepare_model(engine, batch_size, sample_rows(dataset, batch_size), model_fn,
+                                loss_fn=loss_fn, compute_loss=compute_loss, train=False,
+                                precision=precision)
     checkpoints.restore(model, path)
     _check_labels(dataset, model, splits=("test",))
     engine.compile_steps(step, model.optimizer)

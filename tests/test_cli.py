@@ -161,10 +161,11 @@ def test_bench_runs_briefly_and_ends_with_its_json_line():
                     "--batch-size-per-replica", "8", "--steps", "3", "--windows", "2")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[1].split() == ["kdist", "fit", "kdist/fit"]
+    assert lines[1].split()[:4] == ["precision", "kdist", "samples/s", "fit"]
+    assert lines[2].split()[0] == "float32"  # One row per --precision; float32 by default.
     summary = json.loads(lines[-1])
-    for key in ("backend", "replicas", "kdist_samples_per_sec", "fit_samples_per_sec",
-                "ratio", "first_epoch_seconds", "peak_rss_mb"):
+    for key in ("backend", "replicas", "precision", "kdist_samples_per_sec",
+                "fit_samples_per_sec", "ratio", "first_epoch_seconds", "peak_rss_mb"):
         assert key in summary
     assert summary["replicas"] == 2 and summary["kdist_samples_per_sec"] > 0
     # The JSON rounds samples/s to whole numbers and the ratio to 3 decimals.

@@ -35,8 +35,8 @@ def test_resume_rewrites_the_metrics_files_from_the_checkpoint(tmp_path, small_d
     assert lines[:2] == first["history"][:2]  # Rewritten from the checkpoint's history.
     assert lines[2] == resumed["history"][2] and lines[3]["restored"] is True
     rows = csv_rows(tmp_path / "m.csv")
-    assert rows[0] == ["epoch", "samples_per_sec", "seconds", "test_accuracy", "test_loss",
-                       "train_accuracy", "train_loss"]  # keras.callbacks.CSVLogger's layout.
+    assert rows[0] == ["epoch", "samples_per_sec", "seconds", "skipped_steps", "test_accuracy",
+                       "test_loss", "train_accuracy", "train_loss"]  # CSVLogger's layout.
     assert [row[0] for row in rows[1:]] == ["0", "1", "2"]
 
 

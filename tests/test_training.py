@@ -83,14 +83,15 @@ def test_metrics_file_has_one_line_per_epoch_and_the_restored_result(tmp_path, s
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [line.get("epoch") for line in lines[:2]] == [1, 2]
     assert set(lines[0]) == {"epoch", "train_loss", "train_accuracy", "test_loss",
-                             "test_accuracy", "seconds", "samples_per_sec"}
+                             "test_accuracy", "seconds", "samples_per_sec", "skipped_steps"}
+    assert lines[0]["skipped_steps"] == 0
     assert lines[2]["restored"] is True
     assert lines[2]["test_accuracy"] == result["history"][-1]["test_accuracy"]
     rows = (tmp_path / "metrics.csv").read_text().splitlines()
-    assert rows[0] == ("epoch,samples_per_sec,seconds,test_accuracy,test_loss,"
+    assert rows[0] == ("epoch,samples_per_sec,seconds,skipped_steps,test_accuracy,test_loss,"
                        "train_accuracy,train_loss")  # keras.callbacks.CSVLogger's layout.
     assert [row.split(",")[0] for row in rows[1:]] == ["0", "1"]
-    assert float(rows[2].split(",")[3]) == lines[1]["test_accuracy"]
+    assert float(rows[2].split(",")[4]) == lines[1]["test_accuracy"]
 
 
 def test_lock_is_held_while_training_and_released_on_every_exit(tmp_path, small_dataset):

@@ -23,7 +23,9 @@ class `Engine`). The division of work:
 
 Statistics are the dict of `Step.loss_and_updates`, keyed by `Step.keys`:
 per key, an array whose first axis holds the `num_steps` steps' values
-(any values after them belong to padding and are ignored).
+(any values after them belong to padding and are ignored). In a train step
+the engine sets `skipped` to `kdist.step.skipped(optimizer, summed
+gradients)`, counted once per step whatever the replica count.
 
 `tests/test_engines.py` checks every installed engine against this class.
 """
@@ -63,9 +65,12 @@ class Engine(Protocol):
 
         `optimizer` (None for evaluation only) must already be built. Each
         program calls `step.loss_and_updates` with the share of the global
-        batch it sees; the gradients of those losses are summed over the
-        replicas before the optimizer sees them (so clipping and
-        accumulation act on the global gradient).
+        batch it sees and, in training, the optimizer's current loss scale
+        (`kdist.step.loss_scale`; mixed_float16); the gradients of those
+        losses are summed over the replicas before the optimizer sees them
+        (so clipping and accumulation act on the global gradient, and a
+        `LossScaleOptimizer` unscales the sum and skips a non-finite step on
+        every replica alike).
         """
 
     def distribute(self, stacked: tuple) -> Any:

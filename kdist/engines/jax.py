@@ -12,7 +12,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kdist.errors import UsageError
-from kdist.step import ema_variables
+from kdist.step import ema_variables, loss_scale, skipped
 
 
 def connect(spec, replicas=None):
@@ -94,21 +94,27 @@ class Engine:
         must already be built.
 
         The program sees the whole sharded global batch, so the step's
-        loss is the global-batch loss (share 1) and its gradients are
-        already summed over devices (XLA all-reduces them). Evaluation uses
+        loss is the global-batch loss (share 1, times the optimizer's loss
+        scale read from its state, `kdist.step.loss_scale`) and its
+        gradients are already summed over devices (XLA all-reduces them).
+        A `LossScaleOptimizer`'s `stateless_apply` unscales them and skips
+        a step whose gradients are not finite (`skipped`). Evaluation uses
         the optimizer's moving averages of the weights if it keeps them
         (`kdist.step.ema_variables`).
         """
         self.model, self.optimizer = step.model, optimizer
         self._read_state()
 
-        def compute(trainable, non_trainable, batch, training):
-            return step.loss_and_updates(trainable, non_trainable, batch, training)
+        def compute(trainable, non_trainable, batch, training, scale=None):
+            return step.loss_and_updates(trainable, non_trainable, batch, training,
+                                         loss_scale=scale)
 
         def train_step(state, batch):
             trainable, non_trainable, opt_vars = state
             grad_fn = jax.value_and_grad(compute, has_aux=True)
-            (_, (stats, updated)), grads = grad_fn(trainable, non_trainable, batch, True)
+            (_, (stats, updated)), grads = grad_fn(trainable, non_trainable, batch, True,
+                                                   loss_scale(optimizer, opt_vars))
+            stats = dict(stats, skipped=skipped(optimizer, grads))
             trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
             non_trainable = [old if new is None else new
                              for old, new in zip(non_trainable, updated)]

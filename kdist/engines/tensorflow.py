@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from kdist.engines import tf_optimizer
 from kdist.errors import UsageError
-from kdist.step import ema_variables
+from kdist.step import ema_variables, loss_scale, skipped
 
 
 def split_cpu(count):
@@ -114,11 +114,16 @@ class Engine:
         already be built.
 
         Each replica differentiates its share (1/R) of the global-batch
-        loss; kdist sums the gradients over replicas, then the optimizer
+        loss (times the optimizer's loss scale, `kdist.step.loss_scale`);
+        kdist sums the gradients over replicas, then the optimizer
         clips, accumulates and applies the global gradient, the same on
         every replica (its own per-replica sum is turned off, see
-        `tf_optimizer.apply_reduced`). Evaluation uses the optimizer's moving averages
-        of the weights if it keeps them (`kdist.step.ema_variables`).
+        `tf_optimizer.apply_reduced`). A `LossScaleOptimizer` unscales the
+        sum and skips the step on every replica if it is not finite; the
+        first replica alone reports that (`skipped`), so the sum over
+        replicas counts the step once. Evaluation uses the optimizer's
+        moving averages of the weights if it keeps them
+        (`kdist.step.ema_variables`).
         """
         self.model, self.optimizer = step.model, optimizer
         model, share = step.model, 1.0 / self.num_replicas
@@ -134,10 +139,13 @@ class Engine:
                 loss, (stats, updated) = step.loss_and_updates(
                     [v.value for v in trainable],
                     [v.value + o if o is not None else v.value
-                     for v, o in zip(non_trainable, offsets)], batch, True, share)
+                     for v, o in zip(non_trainable, offsets)], batch, True, share,
+                    loss_scale(optimizer))
             grads = tape.gradient(loss, [v.value for v in trainable])
             used = [i for i, g in enumerate(grads) if g is not None]
             summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in used])
+            first = tf.equal(context.replica_id_in_sync_group, 0)
+            stats = dict(stats, skipped=tf.where(first, skipped(optimizer, summed), 0.0))
             optimizer.apply(summed, [trainable[i] for i in used])
             _assign_updates(context, non_trainable, updated, offsets)
             return stats

@@ -11,6 +11,8 @@ global gradient. Both replace methods of the one optimizer instance.
 import tensorflow as tf
 from keras import ops
 
+from kdist.step import inner_optimizer
+
 
 def apply_reduced(optimizer):
     """Makes `optimizer.apply` take gradients already summed over replicas.
@@ -19,11 +21,17 @@ def apply_reduced(optimizer):
     `apply`, after clipping each replica's own (so `clipnorm` would clip
     the wrong norm); kdist sums first and turns that sum off here, so
     clipping, accumulation and the update all see the global gradient.
+
+    A `LossScaleOptimizer` (mixed_float16) unscales the gradients and hands
+    them to the optimizer it wraps, whose `apply` would sum them: the sum
+    is turned off on both.
     """
-    if not hasattr(optimizer, "_all_reduce_sum_gradients"):
-        raise RuntimeError("this Keras version's TensorFlow optimizer has no "
-                           "_all_reduce_sum_gradients; kdist cannot apply summed gradients")
-    optimizer._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
+    for each in {id(o): o for o in (optimizer, inner_optimizer(optimizer))}.values():
+        if not hasattr(each, "_all_reduce_sum_gradients"):
+            raise RuntimeError("this Keras version's TensorFlow optimizer has no "
+                               "_all_reduce_sum_gradients; kdist cannot apply summed "
+                               "gradients")
+        each._all_reduce_sum_gradients = lambda grads_and_vars: grads_and_vars
 
 
 def apply_without_cond(optimizer):
@@ -39,7 +47,10 @@ def apply_without_cond(optimizer):
     on every step, and on a step that only accumulates, the variables it
     changed get their previous values back. The values are those of Keras'
     `_backend_apply_gradients`; the same code runs with one replica or many.
+    With a `LossScaleOptimizer` this applies to the optimizer it wraps,
+    which holds these settings.
     """
+    optimizer = inner_optimizer(optimizer)
     accumulate = optimizer.gradient_accumulation_steps
     overwrite = optimizer.use_ema and optimizer.ema_overwrite_frequency
     if not (accumulate or overwrite):
