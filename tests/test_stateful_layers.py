@@ -15,6 +15,7 @@ import pytest
 from keras import ops
 
 from kdist import checkpoints, data, engines, steps, training
+from kdist.step import metric_key
 from kdist.errors import Interrupted
 
 BACKEND = keras.backend.backend()
@@ -270,7 +271,7 @@ def dropout_outputs(replicas, seed, train_steps=2):
     model, step = training.prepare_model(engine, ROWS, (ONES[:2], ROW_IDS[:2], None),
                                          dropout_model)
     engine.compile_steps(step, model.optimizer)
-    (key,) = [steps_key for steps_key, v in zip(step.keys[2:], step.metric_variables)
+    (key,) = [metric_key(i) for i, v in enumerate(step.metric_variables)
               if tuple(v.shape) == (ROWS, UNITS)]
     batch = (ONES, ROW_IDS, None)
     chunk = engine.distribute(steps.stack_chunk([batch] * train_steps))
