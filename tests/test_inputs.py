@@ -390,3 +390,33 @@ def test_an_empty_test_set_fails_before_training():
         inputs.prepare(inputs.Inputs(TRAIN, lambda: iter([])))
     with pytest.raises(UsageError, match="kdist.Inputs has no train data"):
         inputs.prepare(inputs.Inputs(test=TEST))
+
+
+# The README's examples.
+
+def readme_blocks():
+    """The Python blocks of the README's "Bring your data" section: the setup, then
+    one example per kind of input."""
+    import re
+
+    from conftest import REPO
+
+    text = open(os.path.join(REPO, "README.md")).read()
+    section = text.split("## Bring your data", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+@pytest.mark.parametrize("index, name", [(1, "arrays"), (2, "tf.data"), (3, "PyDataset"),
+                                         (4, "generator")])
+def test_readme_examples_train_from_each_kind(tmp_path, monkeypatch, capsys, index, name):
+    blocks = readme_blocks()
+    assert len(blocks) == 5
+    if "import tensorflow" in blocks[index] and importlib.util.find_spec("tensorflow") is None:
+        pytest.skip("tf.data needs TensorFlow, not installed here")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks[0] + blocks[index], f"README.md ({name})", "exec"), {})
+    out = capsys.readouterr().out
+    accuracy = float(out.split(f"{name}: test accuracy ")[1].split("%")[0])
+    print(f"\n{name}: {accuracy}%")
+    assert accuracy > 85.0, out
+    assert sorted(os.listdir(tmp_path / f"{name}_checkpoints")) and "Epoch 2/2" in out
