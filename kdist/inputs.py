@@ -98,9 +98,9 @@ def source_for(given, split):
 
     what = f"the {split} data"
     if pipelines.is_tf_dataset(given):
-        return pipelines.TfDataSource(given, what, split)
+        return pipelines.TfDataSource(given, what)
     if pipelines.is_py_dataset(given):
-        return pipelines.PyDatasetSource(given, what, split)
+        return pipelines.PyDatasetSource(given, what)
     if _is_arrays(given):
         x, y, weights = tuple(given) + (None,) * (3 - len(given))
         data.check_split("kdist.Inputs", split, x, y, weights)

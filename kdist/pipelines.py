@@ -112,7 +112,7 @@ class TfDataSource(_StreamSource):
 
     kind = "tf.data.Dataset"
 
-    def __init__(self, dataset, what, split):
+    def __init__(self, dataset, what):
         import tensorflow as tf
 
         super().__init__(what)
@@ -136,7 +136,6 @@ class TfDataSource(_StreamSource):
                             "over the data: drop repeat() (steps_per_epoch limits an epoch)")
         self.batches = cardinality if cardinality > 0 else None
         self._made = 0  # Iterators made so far: the first reads the sample.
-        del split
 
     def size(self):
         return None if None in (self.batch, self.batches) else self.batch * self.batches
@@ -199,7 +198,7 @@ class PyDatasetSource:
 
     kind = "PyDataset"
 
-    def __init__(self, dataset, what, split):
+    def __init__(self, dataset, what):
         self.dataset, self.what = dataset, what
         self.check = inputs.BatchCheck(what)
         try:
@@ -218,7 +217,6 @@ class PyDatasetSource:
         self.sizes = np.full(count, self.batch, np.int64)
         self.sizes[-1] = last[1]
         self._cached = (None, None)
-        del split
 
     def size(self):
         return int(self.sizes.sum())

@@ -317,6 +317,25 @@ def test_tf_data_that_reshuffles_every_epoch_resumes_mid_epoch_exactly(tmp_path)
                                                    tf_data(*TEST, 100)))
 
 
+@needs_tf
+@pytest.mark.parametrize("drop_remainder", [False, True], ids=["skip read", "tf skip"])
+def test_a_tf_data_pass_resumed_at_a_step_is_the_rest_of_the_epoch(drop_remainder):
+    x, y = TRAIN
+
+    def made():
+        keras.utils.set_random_seed(1)
+        dataset = tf_data(x, y, 1, shuffle=7).unbatch().batch(24, drop_remainder=drop_remainder)
+        return inputs.prepare(inputs.Inputs(dataset, TEST)).train
+
+    straight = made()
+    epochs = [list(straight.train(32, seed=0, epoch=e)) for e in (0, 1)]
+    resumed = list(made().train(32, seed=0, epoch=1, start_step=5))
+    assert straight.batch == (24 if drop_remainder else None) and len(epochs[1]) == 12
+    assert len(resumed) == 7 and not np.array_equal(epochs[0][5][0], epochs[1][5][0])
+    for a, b in zip(epochs[1][5:], resumed):
+        np.testing.assert_array_equal(a[0], b[0])
+
+
 def test_pydataset_resumes_mid_epoch_exactly(tmp_path):
     resume_matches(tmp_path, lambda: inputs.Inputs(Batches(*TRAIN, 25), Batches(*TEST, 64)))
 
