@@ -82,8 +82,9 @@ class _StreamSource:
         size = self.size()
         return None if size is None else data.eval_steps(size, global_batch)
 
-    def _checked(self, batches):
-        for index, batch in enumerate(batches):
+    def _checked(self, batches, first=0):
+        """(batch, rows) of each batch, checked; `first` numbers the first in errors."""
+        for index, batch in enumerate(batches, first):
             yield self.check(batch, index)
 
     def train(self, global_batch, *, seed, epoch, start_step=0, limit=None, shard=(0, 1)):
@@ -92,7 +93,8 @@ class _StreamSource:
         def slices():
             skip = start_step * global_batch
             batches, skipped = self._open(epoch, skip)
-            pairs = inputs.drop_rows(self._checked(batches), skip - skipped)
+            first = skipped // getattr(self, "batch", None) if skipped else 0
+            pairs = inputs.drop_rows(self._checked(batches, first), skip - skipped)
             yield from inputs.train_slices(inputs.cut(pairs, global_batch), global_batch,
                                            start_step, limit, shard, self.what)
 

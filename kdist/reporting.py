@@ -20,7 +20,7 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
     """
     devices = ", ".join(str(d).split("device:")[-1] for d in engine.devices)
     workers, local = engine.shard[1], global_batch // engine.shard[1]
-    cluster = ([f"Workers: {workers}; this chief and each worker read {local} examples of "
+    cluster = ([f"Workers: {workers}; this chief and each worker feed {local} examples of "
                 "every global batch; checkpoints and metrics are written here"]
                if workers > 1 else [])
     return "\n".join(cluster + [

@@ -203,6 +203,8 @@ class _Run:
             self.position, self.note, steps = _resume_position(config, self.manager,
                                                                self.model, self.step)
             self.steps = self.steps if self.steps is not None else steps
+            self.note += inputs.resume_note(dataset.train, self.position.step_in_epoch,
+                                            self.global_batch)
             self.engine.compile_steps(self.step, self.model.optimizer)
         except BaseException:
             self.manager.release()

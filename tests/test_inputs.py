@@ -83,9 +83,9 @@ def config(tmp_path, name, **overrides):
     return training.TrainConfig(**settings)
 
 
-def train(tmp_path, name, data, **overrides):
+def train(tmp_path, name, data, log=lambda line: None, **overrides):
     return training.train_and_evaluate(config(tmp_path, name, **overrides), data,
-                                       model_fn=make_mlp, log=lambda line: None)
+                                       model_fn=make_mlp, log=log)
 
 
 def final_weights(tmp_path, name):
@@ -285,7 +285,8 @@ def test_evaluation_counts_every_example_once_whatever_the_kind():
 
 
 def resume_matches(tmp_path, make_inputs, stop_after=16):
-    """Straight 2 epochs, and stopped in epoch 2 then resumed: the same weights and history.
+    """Straight 2 epochs, and stopped in epoch 2 then resumed: the same weights and
+    history; returns the resumed run's banner.
 
     Each run makes its inputs anew after the same global seed, as a new
     process running the same script would (a tf.data shuffle's seeds
@@ -299,12 +300,14 @@ def resume_matches(tmp_path, make_inputs, stop_after=16):
         training.train_and_evaluate(config(tmp_path, "resumed", steps_per_execution=1),
                                     fresh_inputs(), model_fn=make_mlp, log=lambda line: None,
                                     stop=StopAfter(stop_after))
-    resumed = train(tmp_path, "resumed", fresh_inputs(), steps_per_execution=1)
+    lines = []
+    resumed = train(tmp_path, "resumed", fresh_inputs(), lines.append, steps_per_execution=1)
     worst = max_difference(final_weights(tmp_path, "straight"),
                            final_weights(tmp_path, "resumed"))
     print(f"\nmax |resumed - straight| = {worst:.3g}")
     assert worst <= 1e-6, worst
     assert without_timing(resumed["history"]) == without_timing(straight["history"])
+    return lines[0]
 
 
 @needs_tf
@@ -337,7 +340,10 @@ def test_a_tf_data_pass_resumed_at_a_step_is_the_rest_of_the_epoch(drop_remainde
 
 
 def test_pydataset_resumes_mid_epoch_exactly(tmp_path):
-    resume_matches(tmp_path, lambda: inputs.Inputs(Batches(*TRAIN, 25), Batches(*TEST, 64)))
+    banner = resume_matches(tmp_path, lambda: inputs.Inputs(Batches(*TRAIN, 25),
+                                                            Batches(*TEST, 64)))
+    assert "Data: train PyDataset, test PyDataset (400 train, 1,001 test examples)" in banner
+    assert "train function" not in banner
 
 
 def test_a_function_of_the_epoch_resumes_mid_epoch_exactly(tmp_path):
@@ -347,7 +353,9 @@ def test_a_function_of_the_epoch_resumes_mid_epoch_exactly(tmp_path):
         order = np.random.default_rng([9, epoch]).permutation(len(x))
         return iter(in_batches(x[order], y[order], 30))
 
-    resume_matches(tmp_path, lambda: inputs.Inputs(shuffled, TEST))
+    banner = resume_matches(tmp_path, lambda: inputs.Inputs(shuffled, TEST))
+    assert ("; the train function is called again and its first 96 examples dropped: exact "
+            "if it yields the same batches as before") in banner
 
 
 @pytest.fixture(scope="module")
