@@ -447,3 +447,24 @@ def test_readme_examples_train_from_each_kind(tmp_path, monkeypatch, capsys, ind
     print(f"\n{name}: {accuracy}%")
     assert accuracy > 85.0, out
     assert sorted(os.listdir(tmp_path / f"{name}_checkpoints")) and "Epoch 2/2" in out
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="TensorFlow's CPU split precedes its first op")
+def test_prepare_environment_splits_tensorflow_before_a_pipeline_is_built(tmp_path):
+    import subprocess
+    import sys
+
+    script = """
+import kdist
+kdist.prepare_environment(replicas=2)
+import tensorflow as tf
+from kdist import engines
+tf.data.Dataset.range(4).batch(2)  # Starts TensorFlow.
+print("replicas", engines.create_engine(2).num_replicas)
+"""
+    env = dict(os.environ, KERAS_BACKEND="tensorflow")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ["replicas", "2"]
