@@ -468,3 +468,16 @@ print("replicas", engines.create_engine(2).num_replicas)
                             timeout=120, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-2:] == ["replicas", "2"]
+
+
+@pytest.mark.cross_backend
+@needs_tf
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="tf.data feeding JAX")
+def test_tf_data_feeds_jax_as_it_feeds_tensorflow(tmp_path):
+    """In the session with both frameworks (nox tests(backend='both'), on JAX)."""
+    tests = [test_tf_data_trains_like_the_same_batches_as_arrays,
+             test_tf_data_that_reshuffles_every_epoch_resumes_mid_epoch_exactly]
+    for index, test in enumerate(tests):
+        folder = tmp_path / str(index)
+        folder.mkdir()
+        test(folder)
