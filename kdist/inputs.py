@@ -117,16 +117,6 @@ def source_for(given, split):
                      "(x, y[, sample_weight])")
 
 
-def resume_note(source, step_in_epoch, global_batch):
-    """What the banner adds when `source` resumes mid-epoch by reading and
-    dropping what was trained: a function's batches may differ from call to call."""
-    if not step_in_epoch or source.kind != "function":
-        return ""
-    return (f"; the train function is called again and its first "
-            f"{step_in_epoch * global_batch:,} examples dropped: exact if it yields the "
-            "same batches as before")
-
-
 def _is_arrays(given):
     return (isinstance(given, tuple) and len(given) in (2, 3) and given[1] is not None
             and all(isinstance(a, np.ndarray) for a in data.leaves(given)))

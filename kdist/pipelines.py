@@ -195,6 +195,16 @@ def _takes_argument(function):
                and p.default is p.empty for p in parameters)
 
 
+def resume_note(source, step_in_epoch, global_batch):
+    """What the banner adds when `source` resumes mid-epoch by reading and
+    dropping what was trained: a function's batches may differ from call to call."""
+    if not step_in_epoch or source.kind != "function":
+        return ""
+    return (f"; the train function is called again and its first "
+            f"{step_in_epoch * global_batch:,} examples dropped: exact if it yields the "
+            "same batches as before")
+
+
 class PyDatasetSource:
     """A keras.utils.PyDataset, read by index (see the module docstring)."""
 

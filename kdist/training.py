@@ -15,7 +15,8 @@ import keras
 
 import numpy as np
 
-from kdist import checkpoints, checks, data, engines, inputs, interrupt, losses, records, reporting
+from kdist import (checkpoints, checks, data, engines, inputs, interrupt, losses, pipelines,
+                   records, reporting)
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.model import create_model
@@ -203,8 +204,8 @@ class _Run:
             self.position, self.note, steps = _resume_position(config, self.manager,
                                                                self.model, self.step)
             self.steps = self.steps if self.steps is not None else steps
-            self.note += inputs.resume_note(dataset.train, self.position.step_in_epoch,
-                                            self.global_batch)
+            self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
+                                               self.global_batch)
             self.engine.compile_steps(self.step, self.model.optimizer)
         except BaseException:
             self.manager.release()

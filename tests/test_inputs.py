@@ -237,6 +237,7 @@ def test_every_kind_trains_like_the_same_batches(tmp_path):
 
     function = train(tmp_path, "function", inputs.Inputs(arrays_order, TEST))
     worst = max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "function"))
+    print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-6, worst
     assert without_timing(function["history"]) == without_timing(arrays["history"])
 
@@ -246,6 +247,7 @@ def test_every_kind_trains_like_the_same_batches(tmp_path):
         [batches[i] for i in np.random.default_rng([SEED, epoch]).permutation(16)]), TEST))
     worst = max_difference(final_weights(tmp_path, "pydataset"),
                            final_weights(tmp_path, "its order"))
+    print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-6, worst
 
 
@@ -257,6 +259,7 @@ def test_tf_data_trains_like_the_same_batches_as_arrays(tmp_path):
     result = train(tmp_path, "tf", inputs.Inputs(tf_data(x[order], y[order], 30),
                                                  tf_data(*TEST, 100)), epochs=1)
     worst = max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "tf"))
+    print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-6, worst
     assert result["restored"]["checkpoint"].endswith("ckpt-00000012.weights.h5")
 
@@ -280,6 +283,8 @@ def test_evaluation_counts_every_example_once_whatever_the_kind():
     losses = np.log(np.exp(shifted).sum(axis=1)) - shifted[np.arange(len(y)), y]
     accuracy = float(np.mean(logits.argmax(axis=1) == y))
     for result in results:
+        print(f"\nloss {result['loss'] - losses.mean():+.3g} from NumPy's, "
+              f"accuracy {result['accuracy'] - accuracy:+.3g}")
         assert abs(result["loss"] - losses.mean()) <= 1e-5, (result, losses.mean())
         assert result["accuracy"] == pytest.approx(accuracy, abs=1e-7)
 
