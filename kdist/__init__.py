@@ -16,6 +16,7 @@ _LAZY = {
     "evaluate_checkpoint": "kdist.training",
     "create_model": "kdist.model",
     "Dataset": "kdist.data",
+    "Inputs": "kdist.inputs",
     "load_fashion_mnist": "kdist.data",
     "synthetic_fashion_mnist": "kdist.data",
     "latest_checkpoint": "kdist.checkpoints",

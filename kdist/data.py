@@ -222,23 +222,27 @@ def check_dataset(dataset):
     infinity) in x.
     """
     for split in ("train", "test"):
-        x, y, sample_weight = dataset.split(split)
-        parts = [("x", x), ("y", y), ("sample weight", sample_weight)]
-        lengths = [(name, len(a)) for name, part in parts for a in leaves(part)]
-        if not lengths:
-            raise DataError(f"{dataset.source}: the {split} set has no arrays")
-        if len({n for _, n in lengths}) > 1:
-            raise DataError(f"{dataset.source}: {split} arrays differ in length (" +
-                            ", ".join(f"{name} {n}" for name, n in lengths) +
-                            "); every array needs one row per example")
-        if not lengths[0][1]:
-            raise DataError(f"{dataset.source}: the {split} set is empty")
-        for images in leaves(x):
-            if np.issubdtype(images.dtype, np.inexact):
-                bad = np.flatnonzero(~np.isfinite(images.reshape(len(images), -1)).all(axis=1))
-                if len(bad):
-                    raise DataError(f"{dataset.source}: {split} input {bad[0]} holds NaN or "
-                                    f"infinity ({len(bad)} such examples)")
+        check_split(dataset.source, split, *dataset.split(split))
+
+
+def check_split(source, split, x, y, sample_weight):
+    """`check_dataset` for one split's arrays; `source` names the data in errors."""
+    parts = [("x", x), ("y", y), ("sample weight", sample_weight)]
+    lengths = [(name, len(a)) for name, part in parts for a in leaves(part)]
+    if not lengths:
+        raise DataError(f"{source}: the {split} set has no arrays")
+    if len({n for _, n in lengths}) > 1:
+        raise DataError(f"{source}: {split} arrays differ in length (" +
+                        ", ".join(f"{name} {n}" for name, n in lengths) +
+                        "); every array needs one row per example")
+    if not lengths[0][1]:
+        raise DataError(f"{source}: the {split} set is empty")
+    for images in leaves(x):
+        if np.issubdtype(images.dtype, np.inexact):
+            bad = np.flatnonzero(~np.isfinite(images.reshape(len(images), -1)).all(axis=1))
+            if len(bad):
+                raise DataError(f"{source}: {split} input {bad[0]} holds NaN or "
+                                f"infinity ({len(bad)} such examples)")
 
 
 def check_labels(dataset, num_classes, splits=("train", "test")):

@@ -12,7 +12,6 @@ from kdist import checks
 from kdist.errors import MetricsError
 
 
-
 def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=None):
     """The lines printed before training: versions, devices, batch, data, checkpoints.
 
@@ -21,7 +20,7 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
     """
     devices = ", ".join(str(d).split("device:")[-1] for d in engine.devices)
     workers, local = engine.shard[1], global_batch // engine.shard[1]
-    cluster = ([f"Workers: {workers}; this chief and each worker read {local} examples of "
+    cluster = ([f"Workers: {workers}; this chief and each worker feed {local} examples of "
                 "every global batch; checkpoints and metrics are written here"]
                if workers > 1 else [])
     return "\n".join(cluster + [
@@ -29,17 +28,24 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
         f"{engine.version}",
         f"Replicas: {engine.num_replicas} ({devices})",
         f"Batch: {config.batch_size_per_replica} per replica, {global_batch} global; "
-        f"{steps} steps per epoch, {config.epochs} epochs" + (
+        f"{'as many' if steps is None else steps} steps per epoch"
+        f"{' as the data holds' if steps is None else ''}, {config.epochs} epochs" + (
             f"; --steps-per-execution {config.steps_per_execution} capped at {chunk}, the "
             "steps of an epoch" if chunk is not None and chunk < config.steps_per_execution
             else ""),
-        f"Data: {dataset.source} ({dataset.size('train'):,} train, "
-        f"{dataset.size('test'):,} test examples)",
+        f"Data: {dataset.source} ({_examples(dataset, 'train')} train, "
+        f"{_examples(dataset, 'test')} test examples)",
         f"Checkpoints: {os.path.abspath(config.checkpoint_dir)}, {checkpoint_note}",
     ] + ([f"Precision: {config.precision}" + (
         " (dynamic loss scaling)"
         if config.precision == "mixed_float16" else "")]
          if config.precision != "float32" else []))
+
+
+def _examples(dataset, split):
+    """The examples of a split, "?" while a pipeline has not been read to its end."""
+    size = dataset.size(split)
+    return "?" if size is None else f"{size:,}"
 
 
 def format_results(results, prefix=""):

@@ -70,6 +70,9 @@ def prepare_environment(replicas=None, verbose=False):
 
     - JAX with `replicas` > 1: `XLA_FLAGS` asks for `replicas` CPU devices
       (`--xla_force_host_platform_device_count`; none when `replicas` is None).
+    - TensorFlow with `replicas` > 1 and no GPU: imports TensorFlow and
+      splits its CPU into `replicas` logical devices now, so a tf.data
+      pipeline built before the run does not start TensorFlow with one.
     - Unless `verbose`: `TF_CPP_MIN_LOG_LEVEL=2` and `GRPC_VERBOSITY=ERROR`,
       only where they are unset (set them yourself to keep yours).
     - glibc keeps freed blocks of up to 64 MiB for reuse
@@ -86,9 +89,25 @@ def prepare_environment(replicas=None, verbose=False):
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     if backend == "jax" and replicas is not None and replicas > 1:
         set_host_device_count(replicas)
+    if backend == "tensorflow" and replicas is not None and replicas > 1:
+        with native_logs_silenced(not verbose):
+            _split_tensorflow_cpu(replicas)
     memory.keep_freed_memory()
     if backend == "jax":
         memory.release_after_long_compiles()
+
+
+def _split_tensorflow_cpu(count):
+    """TensorFlow's CPU as `count` logical devices, unless it has GPUs or already started."""
+    import tensorflow as tf
+
+    if not tf.config.list_physical_devices("GPU"):
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        except RuntimeError:
+            pass  # Started already: the engine says what it found.
 
 
 def set_host_device_count(count):

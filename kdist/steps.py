@@ -10,7 +10,7 @@ import itertools
 
 import numpy as np
 
-from kdist import data
+from kdist import data, inputs, prefetch
 from kdist.errors import UsageError
 from kdist.step import LOSS_KEYS
 
@@ -41,34 +41,45 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
 
     Batches go to the engine in chunks of `steps_per_execution`, one compiled
     call each (a short last chunk is padded with copies of its last batch
-    that the engine skips, so every call has the same shapes); statistics come back
-    once per chunk and are then accounted step by step (`on_step(steps done,
-    step stats, totals, last step of its chunk)`). After each chunk
-    `should_stop()` is called, on every worker at the same point; when it
-    returns true, no further chunk runs. Returns (totals, steps run).
+    that the engine skips, so every call has the same shapes); the next
+    chunk is read and stacked on a background thread while the current one
+    runs (`kdist.prefetch`). Statistics come back once per chunk and are
+    then accounted step by step (`on_step(steps done, step stats, totals,
+    last step of its chunk)`). After each chunk `should_stop()` is called,
+    on every worker at the same point; when it returns true, no further
+    chunk runs. Returns (totals, steps run).
     """
     totals = {k: np.array(v, np.float64) for k, v in totals.items()}
     done = 0
-    for chunk in _chunks(batches, steps_per_execution):
+    chunks = prefetch.Prefetched(_stacked_chunks(engine, batches, steps_per_execution))
+    try:
+        for padded, count in chunks:
+            per_step = {k: np.asarray(v) for k, v in
+                        step_fn(engine.distribute(padded), count).items()}
+            for i in range(count):
+                stats = {k: v[i] for k, v in per_step.items()}
+                for key in totals:
+                    totals[key] += stats[key]
+                done += 1
+                if on_step is not None:
+                    on_step(done, stats, totals, i == count - 1)
+            if should_stop is not None and should_stop():
+                break
+    finally:
+        chunks.close()
+    return totals, done
+
+
+def _stacked_chunks(engine, batches, size):
+    """Yields (chunk stacked to `size` steps, its real step count) from `batches`."""
+    for chunk in _chunks(batches, size):
         for batch in chunk:  # This worker's part of a global batch, over its replicas.
             rows = data.num_examples(batch[0])
             if rows % engine.num_local_replicas:
                 raise UsageError(f"a batch of {rows} does not split evenly across "
                                  f"{engine.num_local_replicas} replicas; use a global batch "
                                  f"size that is a multiple of {engine.num_replicas}")
-        padded = stack_chunk(chunk + [chunk[-1]] * (steps_per_execution - len(chunk)))
-        per_step = {k: np.asarray(v) for k, v in
-                    step_fn(engine.distribute(padded), len(chunk)).items()}
-        for i in range(len(chunk)):
-            stats = {k: v[i] for k, v in per_step.items()}
-            for key in totals:
-                totals[key] += stats[key]
-            done += 1
-            if on_step is not None:
-                on_step(done, stats, totals, i == len(chunk) - 1)
-        if should_stop is not None and should_stop():
-            break
-    return totals, done
+        yield stack_chunk(chunk + [chunk[-1]] * (size - len(chunk))), len(chunk)
 
 
 def stack_chunk(batches):
@@ -84,22 +95,40 @@ def _chunks(iterable, size):
 
 
 def evaluate(engine, step, x, y, sample_weight, global_batch_size, steps_per_execution=1):
-    """{"loss": ..., each metric: ...} over every example of (x, y, sample_weight), once.
+    """{"loss": ..., each metric: ...} over every example of (x, y, sample_weight), once
+    (`evaluate_source` of the arrays)."""
+    source = inputs.ArraySource(x, y, sample_weight, "the test data")
+    return evaluate_source(engine, step, source, global_batch_size, steps_per_execution)
+
+
+def evaluate_source(engine, step, source, global_batch_size, steps_per_execution=1):
+    """{"loss": ..., each metric: ...} over every example of `source` (`kdist.inputs`), once.
 
     Full global batches run in chunks as in training (a compiled call runs
-    at most as many steps as there are batches); the examples left over run
-    as one smaller batch (`engine.eval_whole`), so nothing is padded and
-    every metric, whatever it computes, sees exactly the evaluation set.
+    at most as many steps as there are batches, where the source knows
+    their number); the examples left over run as one smaller batch
+    (`engine.eval_whole`), so nothing is padded and every metric, whatever
+    it computes, sees exactly the evaluation set.
     """
     totals = zero_totals(step)
-    full = data.eval_steps(data.num_examples(x), global_batch_size)
-    if full:
-        totals, _ = run_steps(engine, engine.eval_chunk,
-                              data.eval_batches(x, y, sample_weight, global_batch_size,
-                                                shard=engine.shard),
-                              totals, steps_per_execution=min(steps_per_execution, full))
-    tail = data.eval_tail(x, y, sample_weight, global_batch_size)
-    if tail is not None:
+    full = source.eval_steps(global_batch_size)
+    chunk = steps_per_execution if full is None else min(steps_per_execution, full)
+    tails = []
+
+    def full_batches():
+        for batch, whole in source.evaluate(global_batch_size, engine.shard):
+            if whole:
+                tails.append(batch)
+            else:
+                yield batch
+
+    if chunk:
+        totals, _ = run_steps(engine, engine.eval_chunk, full_batches(), totals,
+                              steps_per_execution=chunk)
+    else:
+        for _ in full_batches():  # No full batch: only the tail.
+            pass
+    for tail in tails:
         for key, value in engine.eval_whole(tail).items():
             totals[key] += np.asarray(value, np.float64)
     return step.results(totals)

@@ -15,13 +15,14 @@ import keras
 
 import numpy as np
 
-from kdist import checkpoints, checks, data, engines, interrupt, losses, records, reporting
+from kdist import (checkpoints, checks, data, engines, inputs, interrupt, losses, pipelines,
+                   records, reporting)
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.model import create_model
 from kdist.precision import policy
 from kdist.step import Step, build_metrics
-from kdist.steps import evaluate, run_steps, totals_from_json, zero_totals
+from kdist.steps import evaluate_source, run_steps, totals_from_json, zero_totals
 
 
 DEFAULT_LEARNING_RATE = 1e-3  # Of the optimizers kdist builds (--optimizer).
@@ -91,7 +92,9 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=None
 
     Args:
         config: a `TrainConfig`.
-        dataset: a `kdist.data.Dataset` (NumPy arrays, or tuples/dicts of them).
+        dataset: a `kdist.Dataset` (NumPy arrays, or tuples/dicts of them),
+            or a `kdist.Inputs` (tf.data, PyDataset, a function yielding
+            batches, or arrays, for train and test; `kdist.inputs`).
         model_fn: builds the Keras model (called in the engine's scope),
             compiled as for `fit` or not (see `build`). The compiled
             optimizer's schedule, clipping and gradient accumulation act
@@ -117,8 +120,7 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=None
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     checks.check_config(config)
-    data.check_dataset(dataset)
-    run = _Run(config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss)
+    run = _Run(config, inputs.prepare(dataset), model_fn, optimizer_fn, loss_fn, compute_loss)
     try:
         return _train(run, log, interrupt.AgreedStop(stop, run.engine))
     finally:
@@ -157,7 +159,7 @@ def _train(run, log, stop):
     if not chief:  # The chief's checkpoint may not be visible here yet.
         return {"history": history, "restored": None}
     latest = run.manager.latest()
-    restored = evaluate_checkpoint(latest[0], dataset, run.model_fn, run.loss_fn,
+    restored = evaluate_checkpoint(latest[0], run.dataset, run.model_fn, run.loss_fn,
                                    run.compute_loss, run.global_batch,
                                    config.steps_per_execution, precision=config.precision)
     log(f"Restored {latest[0]} without distribution: "
@@ -188,13 +190,16 @@ class _Run:
         self.model_fn, self.loss_fn, self.compute_loss = model_fn, loss_fn, compute_loss
         self.engine = engines.create_engine(config.replicas)
         self.global_batch = config.batch_size_per_replica * self.engine.num_replicas
-        train_size = dataset.size("train")
-        self.steps = data.steps_per_epoch(train_size, self.global_batch, config.steps_per_epoch)
+        # Steps per epoch: None while unknown (a pipeline of unknown length), then
+        # learned from the first epoch or the checkpoint. `limit` caps a pass.
+        self.steps = dataset.train.steps_per_epoch(self.global_batch, config.steps_per_epoch)
         if self.steps == 0:
-            raise UsageError(f"{train_size} training examples make no full "
+            raise UsageError(f"{dataset.size('train')} training examples make no full "
                              f"global batch of {self.global_batch}; lower "
                              "--batch-size-per-replica")
-        self.train_chunk = min(config.steps_per_execution, self.steps)  # Compiled steps.
+        self.limit = self.steps if self.steps is not None else config.steps_per_epoch
+        self.train_chunk = min(config.steps_per_execution,  # Compiled steps.
+                               self.limit or config.steps_per_execution)
         self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
         if self.engine.is_chief:  # Only the chief writes there, so only it locks.
             self.manager.prepare(lock=True, break_lock=config.break_lock)
@@ -209,8 +214,11 @@ class _Run:
             self.dynamic_loss_scale = isinstance(self.model.optimizer,
                                                  keras.optimizers.LossScaleOptimizer)
             _check_labels(dataset, self.model)
-            self.position, self.note = _resume_position(config, self.manager, self.model,
-                                                        self.step)
+            self.position, self.note, steps = _resume_position(config, self.manager,
+                                                               self.model, self.step)
+            self.steps = self.steps if self.steps is not None else steps
+            self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
+                                               self.global_batch)
             self.engine.compile_steps(self.step, self.model.optimizer)
         except BaseException:
             self.manager.release()
@@ -225,21 +233,22 @@ class _Run:
         """
         epoch, first_step = position.epoch, position.step_in_epoch
         start = time.perf_counter()
-        x, y, sample_weight = self.dataset.split("train")
-        batches = data.train_batches(
-            x, y, sample_weight, self.global_batch, seed=self.config.seed, epoch=epoch,
-            steps=self.steps, start_step=first_step, shard=self.engine.shard)
+        batches = self.dataset.train.train(
+            self.global_batch, seed=self.config.seed, epoch=epoch, start_step=first_step,
+            limit=self.limit, shard=self.engine.shard)
         on_step = _step_callback(self.config, self.step, epoch, first_step, self.steps,
                                  self.global_batch)
         totals = position.totals if position.totals is not None else zero_totals(self.step)
         totals, done = run_steps(self.engine, self.engine.train_chunk, batches, totals,
                                  on_step, stop.poll, self.train_chunk)
-        if first_step + done < self.steps:
+        if not batches.finished(done):  # Stopped with steps left in the epoch.
             return dataclasses.replace(position, step_in_epoch=first_step + done,
                                        totals=totals), None
+        if self.steps is None:  # Its length is known now.
+            self.steps = first_step + done
         seconds = time.perf_counter() - start if done else None  # None: all trained before.
-        test = evaluate(self.engine, self.step, *self.dataset.split("test"),
-                        self.global_batch, self.config.steps_per_execution)
+        test = evaluate_source(self.engine, self.step, self.dataset.test, self.global_batch,
+                               self.config.steps_per_execution)
         record = records.EpochRecord(
             epoch + 1, self.step.results(totals), test, seconds,
             done * self.global_batch / seconds if done else None,
@@ -251,7 +260,7 @@ class _Run:
         self.engine.sync_to_model()
         manager = self.manager if self.engine.is_chief else checkpoints.DiscardingManager()
         return manager.save(
-            self.model, step=position.global_step(self.steps), metadata=dict(
+            self.model, step=position.global_step(self.steps or 0), metadata=dict(
                 position.as_metadata(), seed=self.config.seed, backend=self.engine.backend,
                 replicas=self.engine.num_replicas, global_batch_size=self.global_batch,
                 steps_per_epoch=self.steps))
@@ -264,14 +273,15 @@ def _quiet(line):
 def _resume_position(config, manager, model, step):
     """Restores the newest checkpoint unless told not to.
 
-    Returns (the `Position` to start from, a note for the banner).
+    Returns (the `Position` to start from, a note for the banner, the steps
+    per epoch the checkpoint records, if any).
     """
     if not config.resume and manager.paths():
         return records.Position(), ("starting over (--no-resume): this run's first "
-                                    "checkpoint replaces the ones there")
+                                    "checkpoint replaces the ones there"), None
     latest = manager.latest() if config.resume else None
     if latest is None:
-        return records.Position(), "starting fresh"
+        return records.Position(), "starting fresh", None
     path, meta = latest
     checkpoints.restore(model, path, meta)
     if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
@@ -288,7 +298,7 @@ def _resume_position(config, manager, model, step):
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
     return position, (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
-        f"with {meta['replicas']} replica(s))")
+        f"with {meta['replicas']} replica(s))"), meta.get("steps_per_epoch")
 
 
 def _step_callback(config, step, epoch, first_step, steps_per_epoch, global_batch):
@@ -313,16 +323,25 @@ def _step_callback(config, step, epoch, first_step, steps_per_epoch, global_batc
 
 
 def sample_rows(dataset, rows=2):
-    """The first `rows` training examples, (x, zero targets, sample_weight): what
-    builds the compiled loss and metrics, which need only shapes and dtypes
-    (zero targets fit every loss, so bad labels are reported by the checks).
-    Few rows: the eager call that builds them runs on every device."""
-    x, y, sample_weight = data.take_rows(dataset.split("train"), slice(0, rows))
+    """The first `rows` training examples of a `kdist.Dataset` or prepared inputs
+    (`kdist.inputs.Prepared`: the test data's if it has no training data), as
+    (x, zero targets, sample_weight): what builds the compiled loss and
+    metrics, which need only shapes and dtypes (zero targets fit every loss,
+    so bad labels are reported by the checks). Few rows: the eager call that
+    builds them runs on every device."""
+    if isinstance(dataset, data.Dataset):
+        x, y, sample_weight = data.take_rows(dataset.split("train"), slice(0, rows))
+    else:
+        x, y, sample_weight = dataset.sample(rows)
     return x, data.map_arrays(np.zeros_like, y), sample_weight
 
 
-def _check_labels(dataset, model, splits=("train", "test")):
-    """Checks class-index targets against a one-output classifier's class count."""
+def _check_labels(prepared, model, splits=("train", "test")):
+    """Checks class-index targets against a one-output classifier's class count
+    (arrays of a `kdist.Dataset` only: a pipeline's labels are not read ahead)."""
+    dataset = prepared.arrays
+    if dataset is None:
+        return
     labels, shape = dataset.train_y, model.output_shape
     if (isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer)
             and isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1):
@@ -337,15 +356,17 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model, loss_fn=None, comp
 
     The model is built under dtype policy `precision` (`kdist.precision`):
     a checkpoint of any precision restores into any (its variables are
-    float32). Returns {"restored": True, "checkpoint": path, "test_loss":
+    float32). `dataset` is a `kdist.Dataset` or a `kdist.Inputs` (only its
+    test data is read). Returns {"restored": True, "checkpoint": path, "test_loss":
     ..., and test_ each metric}.
     """
+    dataset = inputs.prepare(dataset, splits=("test",))
     engine = engines.create_engine(distributed=False)
-    model, step = prepare_model(engine, batch_size, sample_rows(dataset, batch_size), model_fn,
+    model, step = prepare_model(engine, batch_size, sample_rows(dataset), model_fn,
                                 loss_fn=loss_fn, compute_loss=compute_loss, train=False,
                                 precision=precision)
     checkpoints.restore(model, path)
     _check_labels(dataset, model, splits=("test",))
     engine.compile_steps(step, model.optimizer)
-    results = evaluate(engine, step, *dataset.split("test"), batch_size, steps_per_execution)
+    results = evaluate_source(engine, step, dataset.test, batch_size, steps_per_execution)
     return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})

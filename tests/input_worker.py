@@ -1,0 +1,55 @@
+"""One worker of tests/test_input_workers.py: the toy MLP of tests/test_inputs.py trained
+from a tf.data pipeline or a PyDataset with SGD, through the library API.
+
+    python tests/input_worker.py KIND CHECKPOINT_DIR BATCH_PER_REPLICA [PEERS INDEX]
+
+With PEERS (every worker's host:port) and INDEX it joins the other workers
+first, before any TensorFlow op or JAX computation, as `kdist-train` does.
+"""
+
+import sys
+
+from kdist import cluster, startup
+
+
+def inputs_of(kind):
+    """The training and test data of `kind`, made as every worker makes them."""
+    import keras
+
+    import test_inputs
+    from kdist import inputs
+
+    keras.utils.set_random_seed(1)  # A tf.data shuffle's seeds depend on the global seed.
+    x, y = test_inputs.TRAIN
+    if kind == "tf.data":
+        return inputs.Inputs(test_inputs.tf_data(x, y, 25, shuffle=7),
+                             test_inputs.tf_data(*test_inputs.TEST, 100))
+    return inputs.Inputs(test_inputs.Batches(x, y, 25), test_inputs.Batches(*test_inputs.TEST, 64))
+
+
+def train(kind, folder, batch_size, replicas=None, log=print):
+    import test_inputs
+    from kdist import training
+
+    settings = training.TrainConfig(epochs=2, batch_size_per_replica=batch_size,
+                                    replicas=replicas, checkpoint_dir=folder, seed=5,
+                                    checkpoint_every=1, progress=False)
+    return training.train_and_evaluate(settings, inputs_of(kind),
+                                       model_fn=test_inputs.make_mlp, log=log)
+
+
+def main(kind, folder, batch_size, peers=None, index=None):
+    backend = startup.selected_backend()
+    spec = cluster.from_flags_and_env(None, None if index is None else int(index), peers,
+                                      60.0, backend=backend)
+    startup.prepare_environment()
+    from kdist import engines
+
+    if spec.num_workers > 1:
+        with cluster.connect_deadline(spec):
+            engines.connect(spec)
+    train(kind, folder, int(batch_size), log=lambda line: print(line, flush=True))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
