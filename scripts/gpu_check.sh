@@ -21,7 +21,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     lscpu | grep -E "Model name|^CPU\(s\)"
-    python3 -c "import jax, keras; print('jax', jax.__version__, jax.devices(), 'keras', keras.__version__)"
+    KERAS_BACKEND=jax python3 -c "import jax, keras; print('jax', jax.__version__, jax.devices(), 'keras', keras.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 
 precisions=float32
