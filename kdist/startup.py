@@ -98,16 +98,15 @@ def prepare_environment(replicas=None, verbose=False):
 
 
 def _split_tensorflow_cpu(count):
-    """TensorFlow's CPU as `count` logical devices, unless it has GPUs or already started."""
+    """TensorFlow's CPU as `count` logical devices (the TensorFlow engine's
+    `split_cpu`), unless it has GPUs; if it started already, the engine
+    says what it found."""
     import tensorflow as tf
 
+    from kdist.engines.tensorflow import split_cpu
+
     if not tf.config.list_physical_devices("GPU"):
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        try:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-        except RuntimeError:
-            pass  # Started already: the engine says what it found.
+        split_cpu(count)
 
 
 def set_host_device_count(count):

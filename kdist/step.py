@@ -154,10 +154,14 @@ class Step:
             names += list(value) if isinstance(value, dict) else [metric.name]
         return names
 
+    def statistic_shapes(self):
+        """{key: shape} of the statistics a step returns (`keys`, in order)."""
+        shapes = [()] * len(LOSS_KEYS) + [np.shape(r) for r in self.reset_values]
+        return dict(zip(self.keys, shapes))
+
     def zero_statistics(self):
         """Statistics of a step that counts nothing (a skipped padding step)."""
-        shapes = [()] * len(LOSS_KEYS) + [np.shape(r) for r in self.reset_values]
-        return {key: ops.zeros(shape, "float32") for key, shape in zip(self.keys, shapes)}
+        return {key: ops.zeros(shape, "float32") for key, shape in self.statistic_shapes().items()}
 
 
 def _total(losses):

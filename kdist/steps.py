@@ -12,13 +12,11 @@ import numpy as np
 
 from kdist import data, inputs, prefetch
 from kdist.errors import UsageError
-from kdist.step import LOSS_KEYS
 
 
 def zero_totals(step):
     """Totals of no steps, for `step` (a `kdist.step.Step`)."""
-    return {key: np.zeros(np.shape(reset), np.float64)
-            for key, reset in zip(step.keys, [0.0] * len(LOSS_KEYS) + step.reset_values)}
+    return {key: np.zeros(shape, np.float64) for key, shape in step.statistic_shapes().items()}
 
 
 def totals_from_json(values, step):

@@ -9,13 +9,13 @@ scaled or wrongly clipped gradient shows (Adam would normalise it away).
 
 import warnings
 
-import h5py
 import keras
 import numpy as np
 import pytest
 
 from kdist import checkpoints, data, engines, steps, training
 from kdist.step import ema_variables
+from test_training import StopAfter, checkpoint_arrays
 
 TOLERANCE = 1e-6
 BATCH = 8  # Global batch: splits over 1, 2 and 4 replicas.
@@ -246,30 +246,9 @@ def config(tmp_path, name, **overrides):
     return training.TrainConfig(**settings)
 
 
-class StopAfter:
-    """A stop request that turns true after `chunks` compiled calls (1 step each)."""
-
-    signal_name = "SIGTERM"
-
-    def __init__(self, chunks):
-        self.checks, self.chunks = 0, chunks
-
-    def __bool__(self):
-        self.checks += 1
-        return self.checks >= self.chunks
-
-
 def run(cfg, optimizer_fn, stop=None):
     return training.train_and_evaluate(cfg, tiny_dataset(), model_fn(optimizer_fn),
                                        log=lambda line: None, stop=stop)
-
-
-def checkpoint_arrays(path):
-    arrays = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
-                     if isinstance(obj, h5py.Dataset) else None)
-    return arrays
 
 
 def latest(tmp_path, name):

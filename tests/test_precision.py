@@ -20,6 +20,7 @@ from kdist.bench import format_table
 from kdist.errors import UsageError
 from kdist.model import create_model
 from kdist.records import EpochRecord
+from test_training import checkpoint_arrays
 
 UNIT_ROUNDOFF = {"mixed_bfloat16": 2.0 ** -8, "mixed_float16": 2.0 ** -11}
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16",
@@ -376,16 +377,6 @@ def test_skipped_steps_reach_the_epoch_lines_and_the_metrics_file_and_resume_exa
     scale = float(a["optimizer/vars/3"])
     assert scale not in (2.0 ** 24, 0.0) and np.log2(scale) == round(np.log2(scale))
     assert "optimizer/inner_optimizer/vars/0" in a
-
-
-def checkpoint_arrays(path):
-    import h5py
-
-    arrays = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
-                     if isinstance(obj, h5py.Dataset) else None)
-    return arrays
 
 
 # Checkpoints between precisions.

@@ -8,7 +8,6 @@ like Keras `fit`, survive a checkpoint and resume bit for bit, and be
 reproducible from the seed.
 """
 
-import h5py
 import keras
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ from keras import ops
 from kdist import checkpoints, data, engines, steps, training
 from kdist.step import metric_key
 from kdist.errors import Interrupted
+from test_training import StopAfter, checkpoint_arrays, without_timing
 
 BACKEND = keras.backend.backend()
 
@@ -124,31 +124,6 @@ def test_bn_dropout_cnn_trains_like_keras_fit_within_noise(tmp_path):
 
 
 # -- b. a resumed run is bit for bit the uninterrupted one -----------------------------
-
-class StopAfter:
-    """A stop request that turns true at its `chunks`-th check (one per compiled call)."""
-
-    signal_name = "SIGTERM"
-
-    def __init__(self, chunks):
-        self.checks, self.chunks = 0, chunks
-
-    def __bool__(self):
-        self.checks += 1
-        return self.checks >= self.chunks
-
-
-def checkpoint_arrays(path):
-    arrays = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda name, obj: arrays.__setitem__(name, obj[()])
-                     if isinstance(obj, h5py.Dataset) else None)
-    return arrays
-
-
-def without_timing(history):
-    return [{k: v for k, v in r.items() if k not in ("seconds", "samples_per_sec")}
-            for r in history]
 
 
 def test_resume_mid_epoch_is_bitwise_the_uninterrupted_run(tmp_path):
