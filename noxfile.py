@@ -1,8 +1,8 @@
 """Test sessions: `nox -s tests` runs the suite once per backend, each in its own venv.
 
 Select one with `nox -s "tests(backend='jax')"`; reuse venvs with `nox -R`.
-The `both` session has TensorFlow and JAX installed and runs the tests that
-cross backends (a checkpoint written on one, restored on the other).
+The `both` session has TensorFlow, JAX and PyTorch installed and runs the
+tests that cross backends (a checkpoint written on one, restored on another).
 `nox -s lowest` runs a subset against the lowest versions pyproject.toml allows.
 """
 
@@ -16,12 +16,18 @@ import nox
 nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
-EXTRAS = {"tensorflow": "tensorflow", "jax": "jax", "both": "all"}
+EXTRAS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch", "both": "all"}
+# PyTorch's CPU build, installed before the extras so that they need no other torch:
+# pip takes it from this project's machines (a local file); elsewhere point pip at
+# https://download.pytorch.org/whl/cpu, or PyPI's Linux wheel brings several GB of CUDA.
+TORCH_CPU = "torch==2.13.0"
 
 
 @nox.session
 @nox.parametrize("backend", list(EXTRAS))
 def tests(session, backend):
+    if backend in ("torch", "both"):
+        session.install(TORCH_CPU)
     session.install("-e", f".[{EXTRAS[backend]},test]")
     if backend == "both":
         env = {"KERAS_BACKEND": "jax"}

@@ -10,7 +10,9 @@ Sources, first match wins:
 2. on TensorFlow, `TF_CONFIG` (a `chief` task, if any, counts as worker 0);
 3. on JAX, `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`
    and `KERAS_DISTRIBUTION_PROCESS_ID` (as `keras.distribution.initialize` reads them);
-4. otherwise one worker.
+4. on torch, `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (as `torchrun`
+   sets them; each process is one replica);
+5. otherwise one worker.
 
 Worker 0 is the chief: it alone prints epoch lines and writes checkpoints and
 the metrics file. On JAX it is also the coordinator.
@@ -27,6 +29,7 @@ from kdist.errors import UsageError
 
 JAX_VARIABLES = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
                  "KERAS_DISTRIBUTION_PROCESS_ID")
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +78,8 @@ def from_flags_and_env(workers=None, worker_index=None, peers=None, connect_time
         spec = _from_tf_config(environ["TF_CONFIG"])
     elif backend == "jax" and any(environ.get(name) for name in JAX_VARIABLES):
         spec = _from_jax_variables(environ)
+    elif backend == "torch" and environ.get("WORLD_SIZE"):
+        spec = _from_torchrun_variables(environ)
     else:
         spec = ClusterSpec()
     if backend == "tensorflow" and spec.num_workers > 1 and len(spec.addresses) == 1:
@@ -121,20 +126,38 @@ def _from_tf_config(text):
     return _check(len(addresses), position, addresses, "TF_CONFIG")
 
 
+def _number(environ, name):
+    text = environ.get(name)
+    if text is None:
+        return None
+    if not text.strip().isdigit():
+        raise UsageError(f"{name}={text!r} is not a whole number")
+    return int(text)
+
+
 def _from_jax_variables(environ):
     def number(name):
-        text = environ.get(name)
-        if text is None:
-            return None
-        if not text.strip().isdigit():
-            raise UsageError(f"{name}={text!r} is not a whole number")
-        return int(text)
+        return _number(environ, name)
 
     jobs = environ.get(JAX_VARIABLES[0], "")
     addresses = [parse_address(a, JAX_VARIABLES[0]) for a in jobs.split(",") if a.strip()]
     num_workers = number(JAX_VARIABLES[1])
     num_workers = num_workers if num_workers is not None else max(len(addresses), 1)
     return _check(num_workers, number(JAX_VARIABLES[2]), addresses, "KERAS_DISTRIBUTION_*")
+
+
+def _from_torchrun_variables(environ):
+    """The spec `torchrun` describes: process RANK of WORLD_SIZE, rendezvous at
+    MASTER_ADDR:MASTER_PORT."""
+    missing = [name for name in TORCHRUN_VARIABLES if not environ.get(name)]
+    if missing:
+        raise UsageError(f"WORLD_SIZE is set but {', '.join(missing)} is not; start the "
+                         "processes with torchrun, or set all of "
+                         f"{', '.join(TORCHRUN_VARIABLES)}")
+    address = parse_address(f"{environ['MASTER_ADDR']}:{environ['MASTER_PORT']}",
+                            "MASTER_ADDR:MASTER_PORT")
+    return _check(_number(environ, "WORLD_SIZE"), _number(environ, "RANK"), [address],
+                  "RANK/WORLD_SIZE (torchrun)")
 
 
 _WATCHDOG = """

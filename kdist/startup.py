@@ -15,7 +15,7 @@ import sys
 from kdist import memory
 from kdist.errors import UsageError
 
-BACKENDS = ("tensorflow", "jax")  # The Keras backends kdist has an engine for.
+BACKENDS = ("tensorflow", "jax", "torch")  # The Keras backends kdist has an engine for.
 
 _COUNT_FLAG = "--xla_force_host_platform_device_count"
 

@@ -9,13 +9,15 @@ the engine differentiates the loss and applies what it returns.
 
 The loss scaling rule, for every engine: a program that sees a fraction
 `share` of the global batch (TensorFlow: one replica, 1/R of it; JAX: the
-whole sharded batch, 1) differentiates its share of the global-batch loss,
-and the engine SUMS gradients over programs. That share is:
+whole sharded batch, 1; torch: one process, 1/R) differentiates its share
+of the global-batch loss, and the engine SUMS gradients over programs.
+That share is:
 
 - with the compiled loss (`model.compute_loss`): what Keras computes, the
   mean over the batch it sees (reduction "sum_over_batch_size") plus the
-  model's losses (regularizers, `add_loss`); inside a TensorFlow replica
-  Keras itself divides both by the replica count. So kdist equals `fit`.
+  model's losses (regularizers, `add_loss`), times `share`: inside a
+  TensorFlow replica Keras itself divides both by the replica count; in a
+  torch process kdist does. So kdist equals `fit`.
 - with your own loss (`compute_loss=fn`, `fn(model, x, y, training) ->
   (per-example losses, y_pred)`): kdist computes sum(sample weight x loss)
   / GLOBAL batch + share x the model's losses.
@@ -110,8 +112,11 @@ class Step:
                 y_pred = model(x, training=training)
                 loss = model.compute_loss(x, y, y_pred, weight, training=training)
                 model_losses = _total(model.losses)
+                divided = _keras_share(share)
                 # Keras' mean over this batch, undone: the weighted sum it averages.
-                data_sum = (ops.cast(loss, "float32") / share - model_losses) * rows
+                data_sum = (ops.cast(loss, "float32") / divided - model_losses) * rows
+                if divided != share:  # Keras did not divide by the replicas: kdist does.
+                    loss = ops.cast(loss, "float32") * (share / divided)
             else:
                 per_example, y_pred = self.compute_loss(model, x, y, training)
                 per_example = ops.cast(per_example, "float32")
@@ -162,6 +167,15 @@ class Step:
     def zero_statistics(self):
         """Statistics of a step that counts nothing (a skipped padding step)."""
         return {key: ops.zeros(shape, "float32") for key, shape in self.statistic_shapes().items()}
+
+
+def _keras_share(share):
+    """The share of the global batch Keras' `compute_loss` already divided its
+    loss by: `share` under a tf.distribute strategy (Keras'
+    `scale_loss_for_distribution`, the TensorFlow engine's replicas), else 1
+    (JAX sees the whole batch; a torch process is a replica Keras knows
+    nothing of, so kdist applies the share itself)."""
+    return share if keras.backend.backend() == "tensorflow" else 1.0
 
 
 def _total(losses):

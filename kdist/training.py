@@ -16,7 +16,7 @@ import keras
 import numpy as np
 
 from kdist import (checkpoints, checks, data, engines, inputs, interrupt, losses, pipelines,
-                   records, reporting)
+                   records, replicas, reporting)
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.model import create_model
@@ -120,6 +120,11 @@ def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=None
     evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     checks.check_config(config)
+    processes = engines.replica_processes(config.replicas)
+    if processes:  # torch: this process starts one per replica and waits for them.
+        return replicas.run(processes, train_and_evaluate, dict(
+            config=config, dataset=dataset, model_fn=model_fn, optimizer_fn=optimizer_fn,
+            loss_fn=loss_fn, compute_loss=compute_loss), log=log, stop=stop)
     run = _Run(config, inputs.prepare(dataset), model_fn, optimizer_fn, loss_fn, compute_loss)
     try:
         return _train(run, log, interrupt.AgreedStop(stop, run.engine))

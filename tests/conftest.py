@@ -1,4 +1,4 @@
-"""Test start-up: four CPU devices on either backend, set before Keras loads.
+"""Test start-up: four CPU devices on TensorFlow and JAX, set before Keras loads.
 
 nox sets KERAS_BACKEND per session. XLA_FLAGS must be set before JAX starts
 and TF's CPU split must precede its first op, so both happen here, at import.
@@ -30,10 +30,11 @@ if keras.backend.backend() == "tensorflow":
     from kdist.engines import tensorflow as tf_engine
 
     tf_engine.split_cpu(NUM_DEVICES)
-else:  # JAX starts its backend, with NUM_DEVICES CPUs, at its first device query:
-    import jax  # now, so no in-process command can change the count.
+elif keras.backend.backend() == "jax":  # JAX starts its backend, with NUM_DEVICES CPUs,
+    import jax  # at its first device query: now, so no in-process command can change it.
 
     assert len(jax.devices()) == NUM_DEVICES
+# torch: one process per replica (`kdist.replicas`), no devices to set.
 
 from kdist import data  # noqa: E402
 

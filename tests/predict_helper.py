@@ -24,7 +24,7 @@ engine = training.engines.create_engine(distributed=False)
 model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
 checkpoints.restore(model, checkpoint)
 images = data.synthetic_fashion_mnist(num_train=0, num_test=256, seed=11).test_x
-np.savez(out, logits=np.asarray(model(images, training=False)),
+np.savez(out, logits=keras.ops.convert_to_numpy(model(images, training=False)),
          iterations=int(keras.ops.convert_to_numpy(optimizer.iterations)),
          optimizer_state=np.concatenate(
              [np.ravel(keras.ops.convert_to_numpy(v)) for v in optimizer.variables]),

@@ -1,4 +1,4 @@
-"""Checkpoints cross backends and replica counts: JAX <-> TF, N <-> 1 replicas.
+"""Checkpoints cross backends and replica counts: TF, JAX, torch; N <-> 1 replicas.
 
 Runs in the nox session with both backends (`tests(backend='both')`); each
 side is a real `scripts/train.py` process on its own backend.
@@ -20,7 +20,7 @@ HELPER = os.path.join(REPO, "tests", "predict_helper.py")
 STEPS = 20
 COMMON = ["--synthetic", "--batch-size-per-replica", "16", "--steps-per-epoch", str(STEPS),
           "--checkpoint-every", "1", "--seed", "4", "--quiet"]
-OTHER = {"jax": "tensorflow", "tensorflow": "jax"}
+BACKENDS = ("tensorflow", "jax", "torch")
 
 
 def run(backend, *args):
@@ -42,22 +42,25 @@ def latest(folder):
     return os.path.join(folder, names[-1])
 
 
-@pytest.mark.parametrize("writer", ["jax", "tensorflow"])
-def test_checkpoint_restores_with_identical_predictions_on_the_other_backend(tmp_path, writer):
+@pytest.mark.parametrize("writer", BACKENDS)
+def test_checkpoint_restores_with_identical_predictions_on_the_other_backends(tmp_path, writer):
     folder = str(tmp_path / "ckpt")
     log = run(writer, TRAIN, *COMMON, "--epochs", "1", "--replicas", "2",
               "--checkpoint-dir", folder)
     mine = predict(writer, latest(folder), tmp_path / "mine.npz")
-    theirs = predict(OTHER[writer], latest(folder), tmp_path / "theirs.npz")
-    assert str(theirs["backend"]) == OTHER[writer]
-    assert np.abs(mine["logits"] - theirs["logits"]).max() <= 1e-5
-    assert int(theirs["iterations"]) == STEPS
-    # Iteration count, learning rate and Adam moments, exactly as the writer holds them.
-    np.testing.assert_array_equal(theirs["optimizer_state"], mine["optimizer_state"])
     restored_line = log.splitlines()[-1]  # The writer's own restored accuracy...
-    evaluated = run(OTHER[writer], os.path.join(REPO, "scripts", "evaluate.py"),
-                    "--synthetic", "--checkpoint-dir", folder)
-    assert restored_line.split(": ")[-1] in evaluated  # ...equals the other's.
+    for other in BACKENDS:
+        if other == writer:
+            continue
+        theirs = predict(other, latest(folder), tmp_path / f"{other}.npz")
+        assert str(theirs["backend"]) == other
+        assert np.abs(mine["logits"] - theirs["logits"]).max() <= 1e-5, other
+        assert int(theirs["iterations"]) == STEPS
+        # Iteration count, learning rate and Adam moments, exactly as the writer holds them.
+        np.testing.assert_array_equal(theirs["optimizer_state"], mine["optimizer_state"])
+        evaluated = run(other, os.path.join(REPO, "scripts", "evaluate.py"),
+                        "--synthetic", "--checkpoint-dir", folder)
+        assert restored_line.split(": ")[-1] in evaluated, other  # ...equals the other's.
 
 
 @pytest.mark.parametrize("first, second", [
@@ -65,6 +68,9 @@ def test_checkpoint_restores_with_identical_predictions_on_the_other_backend(tmp
     (("tensorflow", "1"), ("jax", "1")),
     (("tensorflow", "2"), ("tensorflow", "1")),
     (("jax", "1"), ("jax", "2")),
+    (("torch", "2"), ("jax", "1")),
+    (("tensorflow", "1"), ("torch", "2")),
+    (("torch", "1"), ("torch", "2")),
 ])
 def test_training_resumes_on_another_backend_or_replica_count(tmp_path, first, second):
     folder = str(tmp_path / "ckpt")
@@ -72,8 +78,8 @@ def test_training_resumes_on_another_backend_or_replica_count(tmp_path, first, s
         "--checkpoint-dir", folder)
     log = run(second[0], TRAIN, *COMMON, "--epochs", "2", "--replicas", second[1],
               "--checkpoint-dir", folder)
-    note = log.splitlines()[4]
-    assert note.startswith("Checkpoints: ") and ", resumed from ckpt-" in note
+    note = next(line for line in log.splitlines() if line.startswith("Checkpoints: "))
+    assert ", resumed from ckpt-" in note
     assert f"written by {first[0]} with {first[1]} replica(s)" in note
     after = predict(second[0], latest(folder), tmp_path / "after.npz")
     assert int(after["iterations"]) == 2 * STEPS  # The optimizer's count carried over.

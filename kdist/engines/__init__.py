@@ -23,12 +23,24 @@ def create_engine(replicas=None, distributed=True):
     return _backend_module().Engine(replicas=replicas, distributed=distributed)
 
 
+def replica_processes(replicas):
+    """How many processes to start for `replicas` replicas (`kdist.replicas`): 0
+    where the engine runs them in this process (TensorFlow, JAX), where one
+    replica is asked for, or where this process already is one replica of a
+    group; `replicas` where the engine runs one replica per process (torch)."""
+    module = _backend_module()
+    if not getattr(module, "PROCESS_PER_REPLICA", False) or (replicas or 1) == 1:
+        return 0
+    return 0 if module.connected() else replicas
+
+
 def connect(spec, replicas=None):
     """Joins the workers of `spec` (a `kdist.cluster.ClusterSpec`) on the active backend.
 
     Must run first, before any tensor or Keras object exists: TensorFlow's
     MultiWorkerMirroredStrategy and JAX's distributed runtime both have to be
-    set up before the framework runs anything. Engines created afterwards span
+    set up before the framework runs anything (torch's process group, so
+    that every engine starts alike). Engines created afterwards span
     every worker's devices. `replicas` is the device count of this worker.
     """
     _backend_module().connect(spec, replicas)

@@ -1,0 +1,211 @@
+"""PyTorch engine: one process per replica, gradients summed with `torch.distributed`.
+
+Keras has no distribution for the torch backend, so each replica is a
+process (gloo on CPUs, NCCL on GPUs) that runs the step eagerly on its
+shard of every global batch. `connect` joins a process group (torchrun,
+`kdist-launch`, `--peers`); `kdist.replicas` starts the processes of
+`--replicas N` on one machine itself.
+"""
+
+import contextlib
+import datetime
+import os
+
+import keras
+import torch
+import torch.distributed as dist
+
+from kdist.data import map_arrays as _map_arrays
+from kdist.errors import UsageError
+from kdist.step import ema_variables, loss_scale, skipped
+
+# The loop starts one process per replica for this engine (`kdist.replicas`).
+PROCESS_PER_REPLICA = True
+
+
+def _device():
+    """This process's device: the GPU of its local rank, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def connect(spec, replicas=None):
+    """Joins the process group of `spec`; blocks until every process has joined.
+
+    Worker 0's address is the rendezvous (a TCP store it serves). Each
+    process is one replica, so `replicas` must be left out (or be 1).
+    """
+    if replicas not in (None, 1):
+        raise UsageError(f"--replicas {replicas}: on torch each worker process is one "
+                         "replica; leave --replicas out when starting the workers yourself")
+    device = _device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=f"tcp://{spec.coordinator}", rank=spec.worker_index,
+        world_size=spec.num_workers, timeout=datetime.timedelta(seconds=spec.connect_timeout))
+
+
+def connected():
+    """Whether this process is one replica of a process group."""
+    return dist.is_available() and dist.is_initialized()
+
+
+class Engine:
+    """Runs kdist's steps eagerly, one replica per process.
+
+    Args:
+        replicas: None or the process group's size (a group is needed for
+            more than 1: `kdist.replicas` starts one).
+        distributed: False runs alone even inside a group, as for
+            evaluating a restored model.
+    """
+
+    backend = "torch"
+    version = torch.__version__
+
+    def __init__(self, replicas=None, distributed=True):
+        grouped = distributed and connected()
+        world = dist.get_world_size() if grouped else 1
+        if replicas not in (None, world):
+            raise UsageError(
+                f"--replicas {replicas} but this torch process group has {world} process(es); "
+                "on torch each replica is a process: kdist-train and train_and_evaluate start "
+                "them for one machine, torchrun or kdist-launch for several")
+        self._group = grouped and world > 1
+        rank = dist.get_rank() if grouped else 0
+        self.num_replicas, self.num_local_replicas = world, 1
+        self.shard, self.is_chief = (rank, world), rank == 0
+        self.device = _device()
+        self.devices = [str(self.device)]
+
+    def scope(self):
+        """Variables live on Keras' torch device; no scope is needed."""
+        return contextlib.nullcontext()
+
+    def compile_steps(self, step, optimizer):
+        """Prepares the eager train and eval steps of `step` (a `kdist.step.Step`);
+        `optimizer` (None: evaluation only) must already be built.
+
+        Every process starts from process 0's variables (broadcast). Each
+        replica differentiates its share (1/R) of the global-batch loss
+        (times the optimizer's loss scale); one all-reduce per step sums
+        the gradients, together with the replicas' new moving statistics
+        (BatchNormalization), which are averaged; the optimizer then
+        applies the sum on every process alike. A `LossScaleOptimizer`
+        unscales it and skips a non-finite step everywhere; process 0 alone
+        reports that (`skipped`), so it is counted once.
+        """
+        self.step, self.model, self.optimizer = step, step.model, optimizer
+        self._trainable = list(self.model.trainable_variables)
+        self._non_trainable = list(self.model.non_trainable_variables)
+        self._evaluated = ema_variables(optimizer, self._trainable) or self._trainable
+        if self._group:
+            with torch.no_grad():
+                for variable in self._trainable + self._non_trainable:
+                    dist.broadcast(variable.value.data, src=0)
+
+    def distribute(self, stacked):
+        """This process's part of a stacked chunk, as tensors on its device."""
+        return _map_arrays(lambda a: keras.ops.convert_to_tensor(a), stacked)
+
+    def train_chunk(self, chunk, num_steps):
+        """The chunk's first `num_steps` optimizer steps; returns each step's
+        statistics summed over the processes."""
+        per_step = [self._train_step(_map_arrays(lambda a: a[k], chunk))
+                    for k in range(num_steps)]
+        return self._summed(per_step)
+
+    def _train_step(self, batch):
+        share = 1.0 / self.num_replicas
+        values = [v.value for v in self._trainable]
+        loss, (stats, updated) = self.step.loss_and_updates(
+            values, [v.value for v in self._non_trainable], batch, True, share,
+            loss_scale(self.optimizer))
+        grads = torch.autograd.grad(loss, values, allow_unused=True)
+        used = [i for i, g in enumerate(grads) if g is not None]
+        moving = [(v, new) for v, new in zip(self._non_trainable, updated)
+                  if new is not None and _is_float(v)]
+        with torch.no_grad():
+            summed = self._all_reduce_sum(
+                [grads[i] for i in used] + [new * share for _, new in moving])
+            grads, means = summed[:len(used)], summed[len(used):]
+            stats = {k: v.detach() for k, v in stats.items()}
+            if self.is_chief:
+                stats["skipped"] = skipped(self.optimizer, grads)
+            self.optimizer.apply(grads, [self._trainable[i] for i in used])
+            for (variable, _), mean in zip(moving, means):
+                variable.assign(mean)
+            for variable, new in zip(self._non_trainable, updated):
+                if new is not None and not _is_float(variable):
+                    variable.assign(new)  # Seed states: the same on every process.
+        return stats
+
+    def eval_chunk(self, chunk, num_steps):
+        """The chunk's first `num_steps` eval steps; returns each step's summed statistics."""
+        return self._summed([self._eval_step(_map_arrays(lambda a: a[k], chunk),
+                                             1.0 / self.num_replicas)
+                             for k in range(num_steps)])
+
+    def _eval_step(self, batch, share):
+        with torch.no_grad():
+            _, (stats, _) = self.step.loss_and_updates(
+                [v.value for v in self._evaluated], [v.value for v in self._non_trainable],
+                batch, False, share)
+        return stats
+
+    def eval_whole(self, batch):
+        """Evaluates one batch of any size, whole, in every process alike: each
+        returns the same statistics, so they are counted once."""
+        stats = self._eval_step(self.distribute(batch), 1.0)
+        return {k: v.cpu().numpy() for k, v in stats.items()}
+
+    def _summed(self, per_step):
+        """{key: (steps, ...) array} of per-step statistics, summed over processes
+        in one all-reduce."""
+        keys = list(per_step[0]) if per_step else list(self.step.keys)
+        stacked = [torch.stack([torch.as_tensor(s[k], dtype=torch.float32) for s in per_step])
+                   if per_step else torch.zeros((0,)) for k in keys]
+        stacked = self._all_reduce_sum(stacked)
+        return {k: v.cpu().numpy() for k, v in zip(keys, stacked)}
+
+    def _all_reduce_sum(self, tensors):
+        """`tensors` summed over the processes: one all-reduce of a flat buffer."""
+        if not self._group or not tensors:
+            return list(tensors)
+        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
+        dist.all_reduce(flat)
+        out, start = [], 0
+        for t in tensors:
+            out.append(flat[start:start + t.numel()].reshape(t.shape).to(t.dtype))
+            start += t.numel()
+        return out
+
+    def compiled_train_programs(self):
+        """Steps run eagerly: the one train step function serves every chunk."""
+        return 1
+
+    def any_worker(self, flag):
+        """Whether `flag` is true on any process: an all-reduce every process
+        calls at the same point. With one process, no communication."""
+        if not self._group:
+            return bool(flag)
+        value = torch.tensor([float(bool(flag))], device=self._collective_device())
+        dist.all_reduce(value)
+        return bool(value.item() > 0)
+
+    def _collective_device(self):
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def keras_fit_callbacks(self):
+        """Keras' fit needs nothing extra on torch."""
+        return []
+
+    def sync_to_model(self):
+        """Variables are updated in place on torch: nothing to write back."""
+
+
+def _is_float(variable):
+    return "float" in str(variable.dtype)

@@ -1,0 +1,91 @@
+"""The tutorial job as PyTorch users write it: torch.nn, DistributedDataParallel, no Keras.
+
+The reference `kdist-bench` compares kdist's torch engine with: the same CNN
+(Conv2d 32 3x3 - max pool - Conv2d 64 3x3 - max pool - Linear 64 - Linear 10),
+Adam 1e-3, cross-entropy, the same global batch, one process per replica
+(gloo on CPUs), each reading its shard of every global batch. It trains
+1 + --windows epochs of --steps steps on synthetic Fashion-MNIST-shaped data
+and prints the median samples/s of the epochs after the first, as
+`kdist-bench` does, plus one JSON line.
+
+    python scripts/ddp_baseline.py --replicas 2 --steps 300 --windows 3
+"""
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+
+def cnn():
+    return nn.Sequential(
+        nn.Conv2d(1, 32, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 5 * 5, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def worker(rank, world, port, args, results):
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(cnn()) if world > 1 else cnn()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss_fn = nn.CrossEntropyLoss()
+    rng = np.random.default_rng(0)
+    global_batch = args.batch_size_per_replica * world
+    images = torch.from_numpy(
+        rng.uniform(0, 1, (args.steps * global_batch, 1, 28, 28)).astype(np.float32))
+    labels = torch.from_numpy(rng.integers(0, 10, args.steps * global_batch))
+    seconds = []
+    for _ in range(1 + args.windows):
+        start = time.perf_counter()
+        for step in range(args.steps):
+            first = step * global_batch + rank * args.batch_size_per_replica
+            x = images[first:first + args.batch_size_per_replica]
+            y = labels[first:first + args.batch_size_per_replica]
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(x), y).backward()  # DDP averages the gradients over processes.
+            optimizer.step()
+        if world > 1:
+            dist.barrier()
+        seconds.append(time.perf_counter() - start)
+    if rank == 0:
+        results.put(dict(
+            baseline="torch DDP", torch=torch.__version__, replicas=world,
+            global_batch=global_batch, steps=args.steps,
+            first_epoch_seconds=round(seconds[0], 2),
+            samples_per_sec=round(statistics.median(
+                args.steps * global_batch / s for s in seconds[1:]))))
+    dist.destroy_process_group()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--batch-size-per-replica", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--windows", type=int, default=3)
+    args = parser.parse_args()
+    port = free_port()
+    results = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(worker, args=(args.replicas, port, args, results), nprocs=args.replicas)
+    print(json.dumps(results.get()))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The torch engine: one process per replica (`kdist.replicas`), the same math as one.
+
+Every multi-replica case here runs real processes joined by torch.distributed
+(gloo); each process feeds its shard of every global batch.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from conftest import REPO
+from helpers import prepare
+from kdist import cluster, data, engines, replicas, steps
+from kdist.engines import contract
+from kdist.errors import TrainingError, UsageError
+
+pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch",
+                                reason="the torch engine; other backends run in one process")
+
+TRAIN = os.path.join(REPO, "scripts", "train.py")
+GLOBAL_BATCH = 32
+
+
+def one_step_and_evaluation(dataset, log, stop):
+    """In each process: one SGD step on this process's shard of a global batch,
+    then an evaluation of the whole test set; returns (weights before, after,
+    the step's statistics, the test results)."""
+    engine = engines.create_engine()
+    keras.utils.set_random_seed(7)
+    model, step = prepare(engine, GLOBAL_BATCH, learning_rate=0.5)
+    before = [np.array(w) for w in model.get_weights()]
+    rank, count = engine.shard
+    batch = data.take_rows(dataset.split("train"), slice(0, GLOBAL_BATCH))
+    per_process = GLOBAL_BATCH // count
+    shard = data.take_rows(batch, slice(rank * per_process, (rank + 1) * per_process))
+    stats = engine.train_chunk(engine.distribute(steps.stack_chunk([shard])), 1)
+    results = steps.evaluate(engine, step, *dataset.split("test"), GLOBAL_BATCH)
+    return (before, [np.array(w) for w in model.get_weights()],
+            {k: float(np.asarray(v)[0]) for k, v in stats.items()}, results)
+
+
+@pytest.fixture(scope="module")
+def outcomes(small_dataset):
+    """{process count: what process 0 returned}, for 1, 2 and 4 processes."""
+    found = {1: one_step_and_evaluation(small_dataset, print, None)}
+    for count in (2, 4):
+        found[count] = replicas.run(count, one_step_and_evaluation,
+                                    dict(dataset=small_dataset))
+    return found
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_n_processes_match_one_after_an_sgd_step(outcomes, count):
+    before, single, single_stats, _ = outcomes[1]
+    _, multi, multi_stats, _ = outcomes[count]
+    assert max(np.abs(a - b).max() for a, b in zip(single, before)) > 1e-3  # Not empty.
+    for one, many in zip(single, multi):
+        np.testing.assert_allclose(many, one, atol=1e-5, rtol=0)
+    assert multi_stats["count"] == single_stats["count"] == GLOBAL_BATCH
+    assert np.isclose(multi_stats["loss_sum"], single_stats["loss_sum"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("count", [2, 4])
+def test_evaluation_counts_each_of_1001_examples_once(outcomes, count):
+    single, multi = outcomes[1][3], outcomes[count][3]
+    assert single.keys() == multi.keys()
+    for key in single:
+        np.testing.assert_allclose(multi[key], single[key], rtol=1e-5, err_msg=key)
+    assert 0 < single["accuracy"] < 1
+
+
+def test_a_process_group_of_the_wrong_size_is_refused():
+    with pytest.raises(UsageError, match="each replica is a process"):
+        engines.create_engine(2)
+
+
+def test_unpicklable_inputs_are_one_clear_error():
+    with pytest.raises(UsageError, match="cannot be"):
+        replicas.run(2, one_step_and_evaluation, dict(dataset=(x for x in [])))
+
+
+def failing(log, stop):
+    """Process 1 fails; process 0 would wait forever in a collective without it."""
+    engine = engines.create_engine()
+    if engine.shard[0] == 1:
+        raise RuntimeError("replica 1 broke")
+    engine.any_worker(False)
+
+
+def test_a_failing_process_stops_the_others_with_its_error():
+    start = time.monotonic()
+    with pytest.raises(TrainingError, match="RuntimeError: replica 1 broke"):
+        replicas.run(2, failing, {})
+    assert time.monotonic() - start < replicas.GRACE_SECONDS + 60
+
+
+def test_torchrun_variables_describe_the_process_group():
+    spec = cluster.from_flags_and_env(environ=dict(
+        RANK="1", WORLD_SIZE="2", MASTER_ADDR="10.0.0.5", MASTER_PORT="29500"),
+        backend="torch")
+    assert (spec.num_workers, spec.worker_index, spec.coordinator) == (2, 1, "10.0.0.5:29500")
+    with pytest.raises(UsageError, match="MASTER_PORT"):
+        cluster.from_flags_and_env(environ=dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h"),
+                                   backend="torch")
+
+
+def children(pid):
+    """The replica processes `pid` started (`kdist.replicas`)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        pids = [int(p) for p in f.read().split()]
+    found = []
+    for child in pids:
+        try:
+            with open(f"/proc/{child}/cmdline") as f:
+                if "replica_main" in f.read():
+                    found.append(child)
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_training(tmp_path, *flags):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.Popen(
+        [sys.executable, TRAIN, "--synthetic", "--replicas", "2", "--epochs", "3",
+         "--steps-per-epoch", "400", "--checkpoint-dir", str(tmp_path / "ckpt"),
+         "--quiet", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait_for_training(process, tmp_path):
+    """Returns the replica processes once the first epoch has started."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if os.path.exists(tmp_path / "ckpt") and len(children(process.pid)) >= 2:
+            time.sleep(8)  # Past start-up, into the steps.
+            return [p for p in children(process.pid) if alive(p)]
+        time.sleep(0.5)
+    process.kill()
+    pytest.fail("training did not start: " + process.communicate()[0])
+
+
+def test_sigterm_to_the_command_checkpoints_and_stops_every_process(tmp_path):
+    process = start_training(tmp_path)
+    replica_pids = wait_for_training(process, tmp_path)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, output
+    assert "Saved checkpoint" in output and "SIGTERM" in output, output
+    assert os.listdir(tmp_path / "ckpt")
+    assert not [p for p in replica_pids if alive(p)]
+
+
+def test_a_killed_replica_process_ends_the_run_with_an_error(tmp_path):
+    process = start_training(tmp_path)
+    replica_pids = wait_for_training(process, tmp_path)
+    os.kill(replica_pids[-1], signal.SIGKILL)
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode not in (0, 128 + signal.SIGTERM), output
+    assert "replica process" in output and "exited with status 137" in output, output
+    assert not [p for p in replica_pids if alive(p)]
+
+
+def contract_in_a_process(log, stop):
+    """In each process: the engine's place in the group, and a stop only process 1 asks."""
+    engine = engines.create_engine()
+    assert isinstance(engine, contract.Engine)
+    return (engine.num_replicas, engine.num_local_replicas, engine.shard, engine.is_chief,
+            engine.any_worker(engine.shard[0] == 1), engine.any_worker(False))
+
+
+def test_each_process_is_one_replica_and_any_worker_is_agreed():
+    assert replicas.run(2, contract_in_a_process, {}) == (2, 1, (0, 2), True, True, False)
