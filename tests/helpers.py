@@ -1,9 +1,14 @@
 """Building a compiled model and its step on an engine, as the loop does, for tests."""
 
+import keras
 import numpy as np
 
 from kdist import training
 from kdist.model import create_model
+
+# Replicas for a test whose subject is not the replica count: torch holds one replica
+# per process (its multi-replica cases are in tests/test_torch.py).
+SEVERAL = 1 if keras.backend.backend() == "torch" else 2
 
 # Two rows of the tutorial's data shapes: enough to build the compiled loss and metrics.
 SAMPLE = (np.zeros((2, 28, 28, 1), np.float32), np.zeros(2, np.int32), None)

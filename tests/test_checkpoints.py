@@ -9,11 +9,12 @@ import h5py
 import numpy as np
 import pytest
 
+from helpers import SEVERAL
 from kdist import checkpoints, engines, training
 from kdist.model import create_model
 
 
-def trained_model(replicas=2, seed=0):
+def trained_model(replicas=SEVERAL, seed=0):
     """A distributed model compiled with a built Adam optimizer."""
     engine = engines.create_engine(replicas)
     keras.utils.set_random_seed(seed)
@@ -31,13 +32,14 @@ def test_restore_without_distribution_gives_identical_predictions(tmp_path, batc
     manager = checkpoints.CheckpointManager(str(tmp_path))
     manager.prepare()
     path = save(manager, model, 1)
-    expected = np.asarray(model(batch[0], training=False))
+    expected = keras.ops.convert_to_numpy(model(batch[0], training=False))
 
     plain = engines.create_engine(distributed=False)
     with plain.scope():
         fresh = create_model()
     checkpoints.restore(fresh, path)
-    np.testing.assert_array_equal(np.asarray(fresh(batch[0], training=False)), expected)
+    np.testing.assert_array_equal(
+        keras.ops.convert_to_numpy(fresh(batch[0], training=False)), expected)
 
 
 def test_checkpoint_loads_into_a_stock_keras_model(tmp_path, batch):
@@ -52,8 +54,8 @@ def test_checkpoint_loads_into_a_stock_keras_model(tmp_path, batch):
         keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
     engines.create_engine(distributed=False)
     stock.load_weights(path)
-    np.testing.assert_allclose(np.asarray(stock(batch[0])),
-                               np.asarray(model(batch[0])), atol=1e-6)
+    np.testing.assert_allclose(keras.ops.convert_to_numpy(stock(batch[0])),
+                               keras.ops.convert_to_numpy(model(batch[0])), atol=1e-6)
 
 
 def test_keeps_the_newest_and_metadata_round_trips(tmp_path):
@@ -220,7 +222,8 @@ def test_format_1_checkpoints_load_unless_their_values_are_not_finite(tmp_path, 
     assert checkpoints.CheckpointManager(str(tmp_path)).latest()[0] == old
     fresh = trained_model(seed=1)[1]
     checkpoints.restore(fresh, old)
-    np.testing.assert_array_equal(np.asarray(fresh(batch[0])), np.asarray(model(batch[0])))
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(fresh(batch[0])),
+                                  keras.ops.convert_to_numpy(model(batch[0])))
 
     kernel = model.layers[-1].kernel
     kernel.assign(np.full(kernel.shape, np.inf, np.float32))

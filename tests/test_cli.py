@@ -53,11 +53,11 @@ def test_bad_flags_exit_2_with_the_reason(args, message, capsys):
 
 
 def test_unknown_backend_exits_2(monkeypatch, capsys):
-    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    monkeypatch.setenv("KERAS_BACKEND", "numpy")
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--synthetic"])
     assert exit_.value.code == 2
-    assert "KERAS_BACKEND=torch is not supported" in capsys.readouterr().err
+    assert "KERAS_BACKEND=numpy is not supported" in capsys.readouterr().err
 
 
 def test_incomplete_data_dir_names_missing_files(tmp_path, capsys):

@@ -52,11 +52,11 @@ def test_optimizer_choices_and_other_defaults_come_from_one_place():
 
 def test_one_backend_registry_and_message(monkeypatch):
     assert engines.BACKENDS is startup.BACKENDS
-    monkeypatch.setenv("KERAS_BACKEND", "torch")
+    monkeypatch.setenv("KERAS_BACKEND", "numpy")
     with pytest.raises(errors.UsageError,
-                       match="^KERAS_BACKEND=torch is not supported; set it to one of: "
-                             "tensorflow, jax$"):
-        startup.check_backend("torch")
+                       match="^KERAS_BACKEND=numpy is not supported; set it to one of: "
+                             "tensorflow, jax, torch$"):
+        startup.check_backend("numpy")
 
 
 ERRORS = [errors.UsageError, errors.DataError, errors.CheckpointError,

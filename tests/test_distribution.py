@@ -92,7 +92,7 @@ def test_evaluation_counts_every_example_once(small_dataset, replicas):
     images, labels = small_dataset.test_x, small_dataset.test_y
     results = steps.evaluate(engine, step, images, labels, None, global_batch,
                              steps_per_execution=3)  # Chunks of 3, a shorter last one, a tail.
-    logits = np.asarray(model(images, training=False))
+    logits = keras.ops.convert_to_numpy(model(images, training=False))
     correct = float((logits.argmax(-1) == labels).sum())
     assert results["accuracy"] == pytest.approx(correct / 1001, rel=1e-6)
     expected = np.asarray(losses.sparse_categorical_crossentropy(labels, logits)).mean()

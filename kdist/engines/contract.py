@@ -14,7 +14,8 @@ class `Engine`). The division of work:
 - The step's math (`kdist.step.Step`: forward pass, loss, its share of the
   global batch, metrics) is one backend-agnostic function of the
   variables' values and a batch.
-- The engine places a stacked chunk on its replicas (`distribute`), runs
+- The engine places a stacked chunk on its replicas (`distribute`; on
+  torch one replica per process, `kdist.replicas`), runs
   the chunk's first `num_steps` steps in one compiled call (`train_chunk`,
   `eval_chunk`; the rest is padding, so every call has one shape): it
   differentiates the step's loss, sums the gradients over replicas, lets
@@ -43,7 +44,7 @@ class Engine(Protocol):
     """
 
     backend: str
-    """The Keras backend's name: "tensorflow" or "jax"."""
+    """The Keras backend's name: "tensorflow", "jax" or "torch"."""
     version: str
     """The framework's version, for the banner."""
     num_replicas: int
