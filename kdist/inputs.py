@@ -94,13 +94,15 @@ def prepare(dataset, splits=("train", "test")):
 
 def source_for(given, split):
     """The source that reads `given`, one split's data (see `Inputs`)."""
-    from kdist import pipelines  # Loads Keras.
+    from kdist import grainsource, pipelines  # Loads Keras.
 
     what = f"the {split} data"
     if pipelines.is_tf_dataset(given):
         return pipelines.TfDataSource(given, what)
     if pipelines.is_py_dataset(given):
         return pipelines.PyDatasetSource(given, what)
+    if grainsource.is_grain(given):
+        return grainsource.source_for(given, what)
     if _is_arrays(given):
         x, y, weights = tuple(given) + (None,) * (3 - len(given))
         data.check_split("kdist.Inputs", split, x, y, weights)
@@ -112,9 +114,9 @@ def source_for(given, split):
                          "function that returns a new one for every epoch, e.g. "
                          f"{split}=lambda: my_batches()")
     raise UsageError(f"{what} is a {type(given).__name__}; kdist reads a batched "
-                     "tf.data.Dataset, a keras.utils.PyDataset, a function returning an "
-                     "iterator of (x, y[, sample_weight]) batches, or NumPy arrays "
-                     "(x, y[, sample_weight])")
+                     "tf.data.Dataset or Grain MapDataset or IterDataset, a "
+                     "keras.utils.PyDataset, a function returning an iterator of (x, y[, "
+                     "sample_weight]) batches, or NumPy arrays (x, y[, sample_weight])")
 
 
 def _is_arrays(given):
