@@ -163,6 +163,9 @@ def train_parser():
                         help="the optimizer; sgd is plain SGD, for exact comparisons between "
                              "runs; --learning-rate applies to any (default: %(default)s)")
     _add_common(parser, checkpoints=False)
+    parser.add_argument("--tfrecords", default=None, metavar="DIR",
+                        help="stream the data from the TFRecord files of DIR (written by "
+                             "scripts/write_tfrecords.py) instead of loading it into memory")
     _add_multiworker(parser)
     return parser
 
@@ -204,6 +207,10 @@ def _connect(spec, replicas):
 
 
 def load_data(args):
+    if getattr(args, "tfrecords", None):
+        from kdist import tfrecords
+
+        return tfrecords.fashion_mnist(args.tfrecords)
     if args.synthetic:
         return kdist.synthetic_fashion_mnist(seed=0)
     return kdist.load_fashion_mnist(args.data_dir)

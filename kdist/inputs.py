@@ -94,9 +94,11 @@ def prepare(dataset, splits=("train", "test")):
 
 def source_for(given, split):
     """The source that reads `given`, one split's data (see `Inputs`)."""
-    from kdist import grainsource, pipelines  # Loads Keras.
+    from kdist import grainsource, pipelines, tfrecords  # Loads Keras.
 
     what = f"the {split} data"
+    if isinstance(given, tfrecords.TFRecords):
+        return tfrecords.TFRecordSource(given, what)
     if pipelines.is_tf_dataset(given):
         return pipelines.TfDataSource(given, what)
     if pipelines.is_py_dataset(given):
