@@ -83,12 +83,6 @@ class GrainMapSource(pipelines.PyDatasetSource):
         del seed  # The dataset's order is its own (Grain numbers each epoch's indices).
         return np.arange(len(self.sizes))
 
-    def _epoch_begin(self):
-        pass
-
-    def _epoch_end(self):
-        pass
-
 
 class GrainIterSource(pipelines.GeneratorSource):
     """A batched grain.IterDataset, iterated anew at every epoch."""

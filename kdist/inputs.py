@@ -3,7 +3,8 @@
 `Inputs(train=..., test=...)` takes, for each split, what Keras `fit` takes:
 NumPy arrays `(x, y)` or `(x, y, sample_weight)`, a batched
 `tf.data.Dataset`, a `keras.utils.PyDataset`, or a function that returns an
-iterator of batches (called once per epoch). Each becomes a *source*
+iterator of batches (called once per epoch); also a batched Grain dataset
+(`kdist.grainsource`) and TFRecord files (`kdist.TFRecords`). Each becomes a *source*
 (`source_for`) with one interface the loop uses on every backend:
 
 - `train(global_batch, seed=, epoch=, start_step=, limit=, shard=)`: a
@@ -37,7 +38,9 @@ class Inputs:
     """Train and test data from tf.data, a PyDataset, a function or arrays.
 
     `train` and `test` each take one of: a batched `tf.data.Dataset` of
-    (x, y) or (x, y, sample_weight); a `keras.utils.PyDataset`; a function
+    (x, y) or (x, y, sample_weight); a batched Grain `MapDataset` or
+    `IterDataset`; `kdist.TFRecords` (files streamed from disk); a
+    `keras.utils.PyDataset`; a function
     returning an iterator of such batches (called at every epoch, with the
     epoch if it takes an argument); or NumPy arrays `(x, y)` or
     `(x, y, sample_weight)`. `source` names the data in the banner.

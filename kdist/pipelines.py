@@ -195,6 +195,10 @@ def _takes_argument(function):
                and p.default is p.empty for p in parameters)
 
 
+def _nothing():
+    pass
+
+
 def resume_note(source, step_in_epoch, global_batch):
     """What the banner adds when `source` resumes mid-epoch by reading and
     dropping what was trained: a function's batches may differ from call to call."""
@@ -206,7 +210,8 @@ def resume_note(source, step_in_epoch, global_batch):
 
 
 class PyDatasetSource:
-    """A keras.utils.PyDataset, read by index (see the module docstring)."""
+    """A keras.utils.PyDataset, read by index (see the module docstring); a subclass
+    reads another indexed kind through `_count`, `_get` and `_order`."""
 
     kind = "PyDataset"
 
@@ -243,12 +248,6 @@ class PyDatasetSource:
         """The batches in the order epoch `epoch` reads them: shuffled by (seed, epoch),
         as fit shuffles a PyDataset's batches."""
         return np.random.default_rng([seed, epoch]).permutation(len(self.sizes))
-
-    def _epoch_begin(self):
-        self.dataset.on_epoch_begin()
-
-    def _epoch_end(self):
-        self.dataset.on_epoch_end()
 
     def size(self):
         return int(self.sizes.sum())
@@ -297,11 +296,11 @@ class PyDatasetSource:
             steps = self.steps_per_epoch(global_batch, limit)
             rows = inputs.worker_rows(global_batch, shard)
             self._cached = (None, None)
-            self._epoch_begin()
+            getattr(self.dataset, "on_epoch_begin", _nothing)()  # A PyDataset's hooks.
             for step in range(start_step, steps):
                 offset = step * global_batch
                 yield self._rows(order, starts, offset + rows.start, offset + rows.stop, epoch)
-            self._epoch_end()
+            getattr(self.dataset, "on_epoch_end", _nothing)()
 
         return inputs.Stream(slices())
 

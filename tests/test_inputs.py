@@ -438,13 +438,14 @@ def readme_blocks():
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
-@pytest.mark.parametrize("index, name", [(1, "arrays"), (2, "tf.data"), (3, "PyDataset"),
-                                         (4, "generator")])
-def test_readme_examples_train_from_each_kind(tmp_path, monkeypatch, capsys, index, name):
+@pytest.mark.parametrize("index, name, needs", [
+    (1, "arrays", None), (2, "tf.data", "tensorflow"), (3, "PyDataset", None),
+    (4, "generator", None), (5, "Grain", "grain"), (6, "TFRecord", "tensorflow")])
+def test_readme_examples_train_from_each_kind(tmp_path, monkeypatch, capsys, index, name, needs):
     blocks = readme_blocks()
-    assert len(blocks) == 5
-    if "import tensorflow" in blocks[index] and importlib.util.find_spec("tensorflow") is None:
-        pytest.skip("tf.data needs TensorFlow, not installed here")
+    assert len(blocks) == 7
+    if needs and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"the {name} example needs {needs}, not installed here")
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks[0] + blocks[index], f"README.md ({name})", "exec"), {})
     out = capsys.readouterr().out
