@@ -8,10 +8,10 @@ exact, bad input is one clear error. Skipped only where grain is not installed
 import numpy as np
 import pytest
 
-from kdist import data, inputs
+from kdist import inputs
 from kdist.errors import DataError, UsageError
-from test_inputs import (SEED, TEST, TRAIN, final_weights, in_batches, max_difference,
-                         resume_matches, train)
+from test_inputs import (SEED, TEST, TRAIN, check_evaluation_shards, final_weights,
+                         in_batches, max_difference, resume_matches, train)
 
 grain = pytest.importorskip("grain", reason="grain is not installed (pip install kdist[grain])")
 
@@ -54,14 +54,7 @@ def test_evaluation_splits_full_batches_and_shares_the_tail(kind):
     source = inputs.source_for(dataset if kind == "MapDataset" else dataset.to_iter_dataset(),
                                "test")
     assert source.kind == f"grain.{kind}"
-    one = list(source.evaluate(40))
-    halves = [list(source.evaluate(40, shard=(i, 2))) for i in range(2)]
-    assert [whole for _, whole in one] == [False] * 25 + [True]
-    for (batch, whole), first, second in zip(one, *halves):
-        parts = [first[0][0]] if whole else [first[0][0], second[0][0]]
-        np.testing.assert_array_equal(np.concatenate(parts), batch[0])
-    np.testing.assert_array_equal(np.concatenate([b[0] for b, _ in one]), x)
-    assert sum(data.num_examples(b[0]) for b, _ in one) == len(x)
+    check_evaluation_shards(source, x)
 
 
 def test_a_map_dataset_resumes_mid_epoch_exactly(tmp_path):

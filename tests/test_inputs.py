@@ -155,6 +155,18 @@ def test_workers_slices_make_the_global_batch_and_share_the_tail(kind):
     np.testing.assert_array_equal(np.concatenate([b[0] for b, _ in one]), x)
 
 
+def check_evaluation_shards(source, x):
+    """`source`'s evaluation of `x` (1,001 examples) in global batches of 40: 25 full
+    ones, each two workers' slices, then 1 example whole on every worker."""
+    one = list(source.evaluate(40))
+    halves = [list(source.evaluate(40, shard=(i, 2))) for i in range(2)]
+    assert [whole for _, whole in one] == [False] * 25 + [True]
+    for (batch, whole), first, second in zip(one, *halves):
+        parts = [first[0][0]] if whole else [first[0][0], second[0][0]]
+        np.testing.assert_array_equal(np.concatenate(parts), batch[0])
+    np.testing.assert_array_equal(np.concatenate([b[0] for b, _ in one]), x)
+
+
 def test_pydataset_workers_read_only_the_batches_holding_their_rows():
     x, y = TRAIN
     read = []

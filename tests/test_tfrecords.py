@@ -14,8 +14,8 @@ import pytest
 from kdist import cli, inputs, ondisk
 from kdist.errors import DataError
 from kdist.tfrecords import TFRecords, write
-from test_inputs import (TEST, TRAIN, final_weights, in_batches, max_difference, resume_matches,
-                         train)
+from test_inputs import (TEST, TRAIN, check_evaluation_shards, final_weights, in_batches,
+                         max_difference, resume_matches, train)
 
 pytest.importorskip("tensorflow", reason="TFRecord files are read with tf.data")
 
@@ -68,14 +68,7 @@ def test_each_worker_opens_only_its_files_unless_files_are_fewer(folder):
 
 
 def test_evaluation_counts_every_example_once(folder):
-    source = inputs.source_for(TFRecords(folder, "test"), "test")
-    one = list(source.evaluate(40))
-    halves = [list(source.evaluate(40, shard=(i, 2))) for i in range(2)]
-    assert [whole for _, whole in one] == [False] * 25 + [True]
-    for (batch, whole), first, second in zip(one, *halves):
-        parts = [first[0][0]] if whole else [first[0][0], second[0][0]]
-        np.testing.assert_array_equal(np.concatenate(parts), batch[0])
-    np.testing.assert_array_equal(np.concatenate([b[0] for b, _ in one]), TEST[0])
+    check_evaluation_shards(inputs.source_for(TFRecords(folder, "test"), "test"), TEST[0])
 
 
 def test_shuffled_files_resume_mid_epoch_exactly(tmp_path, folder):
