@@ -17,6 +17,7 @@ _LAZY = {
     "create_model": "kdist.model",
     "Dataset": "kdist.data",
     "Inputs": "kdist.inputs",
+    "TFRecords": "kdist.tfrecords",
     "load_fashion_mnist": "kdist.data",
     "synthetic_fashion_mnist": "kdist.data",
     "latest_checkpoint": "kdist.checkpoints",

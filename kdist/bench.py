@@ -18,8 +18,8 @@ import time
 
 import keras
 
-from kdist import data, engines, training
-from kdist.steps import evaluate, run_steps, zero_totals
+from kdist import data, engines, inputs, training
+from kdist.steps import evaluate_source, run_steps, zero_totals
 from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.model import create_model
 from kdist.precision import DEFAULT_PRECISION, check_precision, policy
@@ -36,9 +36,48 @@ def summarize_epochs(seconds, samples_per_epoch):
                 samples_per_sec=statistics.median(samples_per_epoch / s for s in seconds[1:]))
 
 
+def input_source(kind, arrays, global_batch, split):
+    """The kdist source (`kdist.inputs`) of split `split`'s arrays (x, y,
+    sample_weight) given as `kind` (one of `kdist.config.BENCH_INPUTS`), in batches of
+    `global_batch`."""
+    x, y, weights = arrays
+    if kind == "numpy":
+        return inputs.ArraySource(x, y, weights, f"the {split} data")
+    if kind == "tfdata":
+        import tensorflow as tf
+
+        given = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0)
+                 .batch(global_batch).prefetch(tf.data.AUTOTUNE))
+    elif kind == "pydataset":
+        given = _Rows(x, y, global_batch)
+    else:
+        import grain
+
+        given = (grain.MapDataset.range(len(x)).shuffle(seed=0).batch(global_batch)
+                 .map(lambda rows: (x[rows], y[rows])))
+    return inputs.source_for(given, split)
+
+
+class _Rows(keras.utils.PyDataset):
+    """Batches of `size` rows of (x, y)."""
+
+    def __init__(self, x, y, size):
+        super().__init__()
+        self.x, self.y, self.size = x, y, size
+
+    def __len__(self):
+        return -(-len(self.x) // self.size)
+
+    def __getitem__(self, index):
+        rows = slice(index * self.size, (index + 1) * self.size)
+        return self.x[rows], self.y[rows]
+
+
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
-                  precision=DEFAULT_PRECISION):
+                  precision=DEFAULT_PRECISION, input_kind="numpy"):
     keras.utils.set_random_seed(0)
+    train, test = (input_source(input_kind, dataset.split(split), global_batch,
+                                split) for split in ("train", "test"))
     model, step = training.prepare_model(engine, global_batch,
                                          training.sample_rows(dataset),
                                          precision=precision)
@@ -46,13 +85,12 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
     seconds = []
     for epoch in range(1 + windows):
         start = time.perf_counter()
-        batches = data.train_batches(*dataset.split("train"), global_batch,
-                                     seed=0, epoch=epoch, steps=steps)
+        batches = train.train(global_batch, seed=0, epoch=epoch, limit=steps)
         run_steps(engine, engine.train_chunk, batches, zero_totals(step),  # Ends on the host.
                   steps_per_execution=steps_per_execution)
         seconds.append(time.perf_counter() - start)
-    evaluate_seconds = _time_twice(lambda: evaluate(
-        engine, step, *dataset.split("test"), global_batch, steps_per_execution))
+    evaluate_seconds = _time_twice(lambda: evaluate_source(
+        engine, step, test, global_batch, steps_per_execution))
     return dict(summarize_epochs(seconds, steps * global_batch),
                 eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
 
@@ -100,7 +138,7 @@ def _time_twice(fn):
 
 def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_per_replica,
         steps=None, windows=BENCH_WINDOWS, steps_per_execution=TrainConfig.steps_per_execution,
-        log=print, *, precisions=(DEFAULT_PRECISION,)):
+        log=print, *, precisions=(DEFAULT_PRECISION,), input_kind="numpy"):
     """Measures kdist then fit at each of `precisions`; logs a table with one row
     per precision, then one JSON line each, and returns the summaries (a dict for
     one precision, a list of them for several)."""
@@ -112,15 +150,16 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
     log(f"{engine.backend} {engine.version}, {engine.num_replicas} replica(s), global batch "
         f"{global_batch}, {steps} steps per epoch, 1 + {windows} epochs each, kdist "
         f"--steps-per-execution {steps_per_execution}, "
-        f"data {dataset.source}")
+        f"data {dataset.source}, kdist input {input_kind}")
     rows, summaries = [], []
     for precision in precisions:
         mine = measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
-                             precision)
+                             precision, input_kind)
         theirs = measure_fit(engine, dataset, global_batch, steps, windows, precision)
         rows.append((precision, mine, theirs))
         summaries.append(dict(
             backend=engine.backend, replicas=engine.num_replicas, precision=precision,
+            input=input_kind,
             steps_per_execution=steps_per_execution, global_batch=global_batch, steps=steps,
             kdist_samples_per_sec=round(mine["samples_per_sec"]),
             fit_samples_per_sec=round(theirs["samples_per_sec"]),

@@ -163,6 +163,9 @@ def train_parser():
                         help="the optimizer; sgd is plain SGD, for exact comparisons between "
                              "runs; --learning-rate applies to any (default: %(default)s)")
     _add_common(parser, checkpoints=False)
+    parser.add_argument("--tfrecords", default=None, metavar="DIR",
+                        help="stream the data from the TFRecord files of DIR (written by "
+                             "scripts/write_tfrecords.py) instead of loading it into memory")
     _add_multiworker(parser)
     return parser
 
@@ -204,6 +207,10 @@ def _connect(spec, replicas):
 
 
 def load_data(args):
+    if getattr(args, "tfrecords", None):
+        from kdist import tfrecords
+
+        return tfrecords.fashion_mnist(args.tfrecords)
     if args.synthetic:
         return kdist.synthetic_fashion_mnist(seed=0)
     return kdist.load_fashion_mnist(args.data_dir)
@@ -312,15 +319,24 @@ def bench_main(argv=None):
                         help="the dtype policies to measure, each one table row: "
                              f"{', '.join(config.PRECISIONS)}, or several separated by "
                              "commas (default: float32)")
+    parser.add_argument("--input", choices=config.BENCH_INPUTS,
+                        default="numpy", help="how kdist is fed the same arrays: directly, or "
+                        "through tf.data, a PyDataset or Grain; fit always takes the arrays "
+                        "(default: %(default)s)")
     _add_common(parser, checkpoints=False)
     # Keras' fit raises ValueError for inputs it cannot take; one line, as before.
     return _run(parser, argv, _bench, failures=(ValueError,))
 
 
 def _bench(args):
+    needs = {"tfdata": "tensorflow", "grain": "grain"}.get(args.input)
+    if needs and importlib.util.find_spec(needs) is None:
+        raise errors.UsageError(f"--input {args.input} needs {needs}, not installed: "
+                                f"pip install kdist[{needs}]")
     _start(args, args.replicas)
     from kdist import bench
 
     bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
-              args.windows, args.steps_per_execution, log=_log, precisions=args.precision)
+              args.windows, args.steps_per_execution, log=_log, precisions=args.precision,
+              input_kind=args.input)
     return 0

@@ -18,6 +18,8 @@ from kdist import checks
 from kdist.precision import DEFAULT_PRECISION, PRECISIONS
 
 BENCH_WINDOWS = 4  # Steady epochs `kdist.bench` times after the first.
+# How kdist-bench feeds kdist (`--input`): the arrays, or the same arrays through a pipeline.
+BENCH_INPUTS = ("numpy", "tfdata", "pydataset", "grain")
 
 
 def _setting(default, help, flag="", choices=None):

@@ -3,7 +3,8 @@
 `Inputs(train=..., test=...)` takes, for each split, what Keras `fit` takes:
 NumPy arrays `(x, y)` or `(x, y, sample_weight)`, a batched
 `tf.data.Dataset`, a `keras.utils.PyDataset`, or a function that returns an
-iterator of batches (called once per epoch). Each becomes a *source*
+iterator of batches (called once per epoch); also a batched Grain dataset
+(`kdist.grainsource`) and TFRecord files (`kdist.TFRecords`). Each becomes a *source*
 (`source_for`) with one interface the loop uses on every backend:
 
 - `train(global_batch, seed=, epoch=, start_step=, limit=, shard=)`: a
@@ -37,7 +38,9 @@ class Inputs:
     """Train and test data from tf.data, a PyDataset, a function or arrays.
 
     `train` and `test` each take one of: a batched `tf.data.Dataset` of
-    (x, y) or (x, y, sample_weight); a `keras.utils.PyDataset`; a function
+    (x, y) or (x, y, sample_weight); a batched Grain `MapDataset` or
+    `IterDataset`; `kdist.TFRecords` (files streamed from disk); a
+    `keras.utils.PyDataset`; a function
     returning an iterator of such batches (called at every epoch, with the
     epoch if it takes an argument); or NumPy arrays `(x, y)` or
     `(x, y, sample_weight)`. `source` names the data in the banner.
@@ -94,13 +97,17 @@ def prepare(dataset, splits=("train", "test")):
 
 def source_for(given, split):
     """The source that reads `given`, one split's data (see `Inputs`)."""
-    from kdist import pipelines  # Loads Keras.
+    from kdist import grainsource, pipelines, tfrecords  # Loads Keras.
 
     what = f"the {split} data"
+    if isinstance(given, tfrecords.TFRecords):
+        return tfrecords.TFRecordSource(given, what)
     if pipelines.is_tf_dataset(given):
         return pipelines.TfDataSource(given, what)
     if pipelines.is_py_dataset(given):
         return pipelines.PyDatasetSource(given, what)
+    if grainsource.is_grain(given):
+        return grainsource.source_for(given, what)
     if _is_arrays(given):
         x, y, weights = tuple(given) + (None,) * (3 - len(given))
         data.check_split("kdist.Inputs", split, x, y, weights)
@@ -112,9 +119,9 @@ def source_for(given, split):
                          "function that returns a new one for every epoch, e.g. "
                          f"{split}=lambda: my_batches()")
     raise UsageError(f"{what} is a {type(given).__name__}; kdist reads a batched "
-                     "tf.data.Dataset, a keras.utils.PyDataset, a function returning an "
-                     "iterator of (x, y[, sample_weight]) batches, or NumPy arrays "
-                     "(x, y[, sample_weight])")
+                     "tf.data.Dataset or Grain MapDataset or IterDataset, a "
+                     "keras.utils.PyDataset, a function returning an iterator of (x, y[, "
+                     "sample_weight]) batches, or NumPy arrays (x, y[, sample_weight])")
 
 
 def _is_arrays(given):

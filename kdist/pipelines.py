@@ -195,6 +195,10 @@ def _takes_argument(function):
                and p.default is p.empty for p in parameters)
 
 
+def _nothing():
+    pass
+
+
 def resume_note(source, step_in_epoch, global_batch):
     """What the banner adds when `source` resumes mid-epoch by reading and
     dropping what was trained: a function's batches may differ from call to call."""
@@ -206,29 +210,44 @@ def resume_note(source, step_in_epoch, global_batch):
 
 
 class PyDatasetSource:
-    """A keras.utils.PyDataset, read by index (see the module docstring)."""
+    """A keras.utils.PyDataset, read by index (see the module docstring); a subclass
+    reads another indexed kind through `_count`, `_get` and `_order`."""
 
     kind = "PyDataset"
 
     def __init__(self, dataset, what):
         self.dataset, self.what = dataset, what
         self.check = inputs.BatchCheck(what)
-        try:
-            count = dataset.num_batches
-        except NotImplementedError:
-            raise DataError(f"{what} is a PyDataset without a length; define __len__ (its "
-                            "number of batches)") from None
-        if count is None:
-            raise DataError(f"{what} is an infinite PyDataset (num_batches None); an epoch "
-                            "is one pass over the data: give it a length")
+        count = self._count()
         if count == 0:
-            raise DataError(f"{what} is empty (a PyDataset of no batches)")
-        self.first, self.batch = self.check(dataset[0], 0)
-        last = (self.first, self.batch) if count == 1 else self.check(dataset[count - 1],
-                                                                      count - 1)
+            raise DataError(f"{what} is empty (a {self.kind} of no batches)")
+        self.first, self.batch = self.check(self._get(0, 0), 0)
+        last = (self.first, self.batch) if count == 1 else self.check(
+            self._get(count - 1, 0), count - 1)
         self.sizes = np.full(count, self.batch, np.int64)
         self.sizes[-1] = last[1]
         self._cached = (None, None)
+
+    def _count(self):
+        """The batches of an epoch; DataError if unknown or infinite."""
+        try:
+            count = self.dataset.num_batches
+        except NotImplementedError:
+            raise DataError(f"{self.what} is a PyDataset without a length; define __len__ "
+                            "(its number of batches)") from None
+        if count is None:
+            raise DataError(f"{self.what} is an infinite PyDataset (num_batches None); an "
+                            "epoch is one pass over the data: give it a length")
+        return count
+
+    def _get(self, index, epoch):
+        """Batch `index` of epoch `epoch` (a PyDataset's are the same every epoch)."""
+        return self.dataset[index]
+
+    def _order(self, seed, epoch):
+        """The batches in the order epoch `epoch` reads them: shuffled by (seed, epoch),
+        as fit shuffles a PyDataset's batches."""
+        return np.random.default_rng([seed, epoch]).permutation(len(self.sizes))
 
     def size(self):
         return int(self.sizes.sum())
@@ -242,26 +261,27 @@ class PyDatasetSource:
     def eval_steps(self, global_batch):
         return data.eval_steps(self.size(), global_batch)
 
-    def _read(self, index):
-        """Batch `index`, checked; the last one read is kept (neighbouring slices share it)."""
+    def _read(self, index, epoch):
+        """Batch `index` of epoch `epoch`, checked; the last one read is kept
+        (neighbouring slices share it)."""
         index = int(index)
-        if self._cached[0] != index:
-            batch, rows = self.check(self.dataset[index], index)
+        if self._cached[0] != (epoch, index):
+            batch, rows = self.check(self._get(index, epoch), index)
             if rows != self.sizes[index]:
                 raise DataError(f"{self.what}: PyDataset batch {index} holds {rows} examples; "
                                 f"every batch but the last must hold {self.batch}, as the "
                                 "first does")
-            self._cached = (index, batch)
+            self._cached = ((epoch, index), batch)
         return self._cached[1]
 
-    def _rows(self, order, starts, first, stop):
+    def _rows(self, order, starts, first, stop, epoch=0):
         """Rows [first, stop) of the pass that reads batches in `order`; `starts`
         holds where each begins (and the pass's end)."""
         parts = []
         position = int(np.searchsorted(starts, first, "right")) - 1
         while first < stop:
             end = min(stop, int(starts[position + 1]))
-            parts.append(data.take_rows(self._read(order[position]),
+            parts.append(data.take_rows(self._read(order[position], epoch),
                                         slice(first - starts[position], end - starts[position])))
             first, position = end, position + 1
         return inputs.concat(parts)
@@ -271,16 +291,16 @@ class PyDatasetSource:
 
     def train(self, global_batch, *, seed, epoch, start_step=0, limit=None, shard=(0, 1)):
         def slices():
-            order = np.random.default_rng([seed, epoch]).permutation(len(self.sizes))
+            order = self._order(seed, epoch)
             starts = self._layout(order)
             steps = self.steps_per_epoch(global_batch, limit)
             rows = inputs.worker_rows(global_batch, shard)
             self._cached = (None, None)
-            self.dataset.on_epoch_begin()
+            getattr(self.dataset, "on_epoch_begin", _nothing)()  # A PyDataset's hooks.
             for step in range(start_step, steps):
                 offset = step * global_batch
-                yield self._rows(order, starts, offset + rows.start, offset + rows.stop)
-            self.dataset.on_epoch_end()
+                yield self._rows(order, starts, offset + rows.start, offset + rows.stop, epoch)
+            getattr(self.dataset, "on_epoch_end", _nothing)()
 
         return inputs.Stream(slices())
 

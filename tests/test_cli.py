@@ -1,5 +1,6 @@
 """scripts/train.py and scripts/evaluate.py as a user runs them."""
 
+import importlib.util
 import json
 import os
 import re
@@ -11,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+import kdist
 from conftest import REPO
 from kdist import cli
 from test_training import checkpoint_arrays
@@ -329,3 +331,20 @@ def test_a_signal_while_starting_exits_with_one_line(tmp_path, sig):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + sig, err
     assert err.startswith(f"interrupted: {sig.name}: stopped ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tfdata", "pydataset", "grain"])
+def test_bench_feeds_each_input_kind_every_example(kind):
+    needs = {"tfdata": "tensorflow", "grain": "grain"}.get(kind)
+    if needs and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"--input {kind} needs {needs}, not installed here")
+    from kdist import bench
+
+    dataset = kdist.synthetic_fashion_mnist(num_train=100, num_test=50)
+    train = bench.input_source(kind, dataset.split("train"), 32, "train")
+    rows = {row.tobytes(): i for i, row in enumerate(dataset.train_x)}
+    seen = [rows[row.tobytes()] for b in train.train(32, seed=0, epoch=0) for row in b[0]]
+    assert len(seen) == len(set(seen)) == 96  # Distinct training examples.
+    rows = {row.tobytes(): i for i, row in enumerate(dataset.test_x)}
+    test = bench.input_source(kind, dataset.split("test"), 32, "test").evaluate(32)
+    assert sorted(rows[row.tobytes()] for b, _ in test for row in b[0]) == list(range(50))

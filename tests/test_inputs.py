@@ -155,6 +155,18 @@ def test_workers_slices_make_the_global_batch_and_share_the_tail(kind):
     np.testing.assert_array_equal(np.concatenate([b[0] for b, _ in one]), x)
 
 
+def check_evaluation_shards(source, x):
+    """`source`'s evaluation of `x` (1,001 examples) in global batches of 40: 25 full
+    ones, each two workers' slices, then 1 example whole on every worker."""
+    one = list(source.evaluate(40))
+    halves = [list(source.evaluate(40, shard=(i, 2))) for i in range(2)]
+    assert [whole for _, whole in one] == [False] * 25 + [True]
+    for (batch, whole), first, second in zip(one, *halves):
+        parts = [first[0][0]] if whole else [first[0][0], second[0][0]]
+        np.testing.assert_array_equal(np.concatenate(parts), batch[0])
+    np.testing.assert_array_equal(np.concatenate([b[0] for b, _ in one]), x)
+
+
 def test_pydataset_workers_read_only_the_batches_holding_their_rows():
     x, y = TRAIN
     read = []
@@ -438,13 +450,14 @@ def readme_blocks():
     return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
-@pytest.mark.parametrize("index, name", [(1, "arrays"), (2, "tf.data"), (3, "PyDataset"),
-                                         (4, "generator")])
-def test_readme_examples_train_from_each_kind(tmp_path, monkeypatch, capsys, index, name):
+@pytest.mark.parametrize("index, name, needs", [
+    (1, "arrays", None), (2, "tf.data", "tensorflow"), (3, "PyDataset", None),
+    (4, "generator", None), (5, "Grain", "grain"), (6, "TFRecord", "tensorflow")])
+def test_readme_examples_train_from_each_kind(tmp_path, monkeypatch, capsys, index, name, needs):
     blocks = readme_blocks()
-    assert len(blocks) == 5
-    if "import tensorflow" in blocks[index] and importlib.util.find_spec("tensorflow") is None:
-        pytest.skip("tf.data needs TensorFlow, not installed here")
+    assert len(blocks) == 7
+    if needs and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"the {name} example needs {needs}, not installed here")
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks[0] + blocks[index], f"README.md ({name})", "exec"), {})
     out = capsys.readouterr().out
