@@ -78,8 +78,9 @@ def lowest(session, backend):
 @nox.session
 def smoke(session):
     """One real Fashion-MNIST epoch per backend on 2 replicas; needs the data set."""
+    session.install(TORCH_CPU)
     session.install("-e", ".[all]")
-    for backend in ("tensorflow", "jax"):
+    for backend in ("tensorflow", "jax", "torch"):
         folder = session.create_tmp()
         metrics = f"{folder}/metrics-{backend}.jsonl"
         if os.path.exists(metrics):

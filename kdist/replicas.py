@@ -41,6 +41,9 @@ from kdist import cluster, interrupt, launch
 from kdist.errors import Interrupted, KdistError, TrainingError, UsageError
 
 GRACE_SECONDS = 30.0  # For the others to stop once one process has failed.
+# What one replica process holds before its data: Python, Keras and the framework
+# (torch 2.13 on a CPU: about 0.5 GB resident), with room for a model and its batches.
+PROCESS_GB = 0.75
 _CHILD = "from kdist.replicas import replica_main; replica_main()"
 
 
@@ -53,6 +56,7 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     a process reported (the others then fail in a collective); process 0's
     `Interrupted` after a stop.
     """
+    _check_memory(num_replicas)
     try:
         call = cloudpickle.dumps((fn, kwargs))
     except Exception as e:  # noqa: BLE001 (whatever pickling raises, one line)
@@ -78,6 +82,22 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     finally:
         _kill(processes)
         shutil.rmtree(folder, ignore_errors=True)  # kdist's own temporary folder.
+
+
+def _check_memory(num_replicas, meminfo="/proc/meminfo"):
+    """Refuses more processes than this machine's available memory holds."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available_gb = int(fields["MemAvailable"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        return  # Not Linux: nothing to check against.
+    if num_replicas * PROCESS_GB > available_gb:
+        raise UsageError(
+            f"--replicas {num_replicas} but {num_replicas} processes (one per replica on "
+            f"this backend) need about {num_replicas * PROCESS_GB:.0f} GB and "
+            f"{available_gb:.1f} GB is available; use at most "
+            f"{max(1, int(available_gb // PROCESS_GB))}")
 
 
 def _start(spec, payload):

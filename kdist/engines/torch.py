@@ -21,6 +21,7 @@ from kdist.step import ema_variables, loss_scale, skipped
 
 # The loop starts one process per replica for this engine (`kdist.replicas`).
 PROCESS_PER_REPLICA = True
+_SEED_STRIDE = 1_000_003  # Separates the replicas' random streams.
 
 
 def _device():
@@ -106,6 +107,9 @@ class Engine:
             with torch.no_grad():
                 for variable in self._trainable + self._non_trainable:
                     dist.broadcast(variable.value.data, src=0)
+            # Unseeded dropout draws from torch's own generator: one stream per
+            # replica, process 0's the one a single process draws.
+            torch.manual_seed(torch.initial_seed() + self.shard[0] * _SEED_STRIDE)
 
     def distribute(self, stacked):
         """This process's part of a stacked chunk, as tensors on its device."""
