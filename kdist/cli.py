@@ -312,15 +312,34 @@ def bench_main(argv=None):
                         help="the dtype policies to measure, each one table row: "
                              f"{', '.join(config.PRECISIONS)}, or several separated by "
                              "commas (default: float32)")
+    _add_bench_choices(parser)
     _add_common(parser, checkpoints=False)
+    _add_multiworker(parser)
     # Keras' fit raises ValueError for inputs it cannot take; one line, as before.
     return _run(parser, argv, _bench, failures=(ValueError,))
 
 
-def _bench(args):
-    _start(args, args.replicas)
-    from kdist import bench
+def _add_bench_choices(parser):
+    parser.add_argument("--model", choices=config.BENCH_MODELS, default=config.BENCH_MODELS[0],
+                        help="the network: the tutorial CNN, or ResNet-20 on synthetic "
+                             "32x32x3 images of 10 classes (--data-dir and --synthetic "
+                             "apply to the CNN only) (default: %(default)s)")
+    parser.add_argument("--no-fit", dest="fit", action="store_false",
+                        help="measure kdist only, not Keras fit (several workers never "
+                             "measure fit)")
+    parser.add_argument("--no-peak", dest="peak", action="store_false",
+                        help="skip measuring the CPU's matmul GFLOP/s (about 3 s; null in "
+                             "the JSON)")
 
-    bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
-              args.windows, args.steps_per_execution, log=_log, precisions=args.precision)
+
+def _bench(args):
+    spec = _cluster_spec(args)
+    _start(args, args.replicas)
+    _connect(spec, args.replicas)
+    from kdist import bench, resnet
+
+    dataset = resnet.synthetic_cifar() if args.model == "resnet20" else load_data(args)
+    bench.run(dataset, args.replicas, args.batch_size_per_replica, args.steps,
+              args.windows, args.steps_per_execution, log=_log, precisions=args.precision,
+              model=args.model, fit=args.fit, measure_peak=args.peak)
     return 0
