@@ -10,8 +10,9 @@ With several precisions (`kdist.precision`) each is measured in turn, kdist
 then fit, and gets one row of the table and one JSON line; peak memory is
 the process's, so a later row's includes the earlier ones'.
 
-`model` picks the network (`MODELS`): the tutorial CNN, or ResNet-20
-(`kdist.resnet`) on its own synthetic 32x32x3 data. The header and every
+`model` picks the network (`MODELS`): the tutorial CNN (also as "cnn-stock",
+with Keras' stock layers in place of `kdist.model`'s JAX formulations), or
+ResNet-20 (`kdist.resnet`) on its own synthetic 32x32x3 data. The header and every
 JSON line also describe the CPU (`kdist.cpuinfo`: model, speed flags,
 visible cores, measured matmul GFLOP/s). Under several workers
 (`kdist.engines.connect` first, as `kdist.cli` does) each worker trains its
@@ -19,6 +20,7 @@ slice of every global batch, `fit` is not measured, and only the chief logs;
 `kdist.workerbench` uses this to measure the cost of communication.
 """
 
+import functools
 import json
 import resource
 import statistics
@@ -34,7 +36,9 @@ from kdist.errors import UsageError
 from kdist.precision import DEFAULT_PRECISION, check_precision, policy
 
 # --model's choices (`kdist.config.BENCH_MODELS`): name -> the function building it.
-MODELS = {"cnn": create_model, "resnet20": resnet.create_resnet20}
+# cnn-stock is the CNN with Keras' own layers, to weigh `kdist.model`'s JAX formulations.
+MODELS = {"cnn": create_model, "cnn-stock": functools.partial(create_model, fast_layers=False),
+          "resnet20": resnet.create_resnet20}
 
 
 def peak_rss_mb():

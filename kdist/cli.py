@@ -321,9 +321,11 @@ def bench_main(argv=None):
 
 def _add_bench_choices(parser):
     parser.add_argument("--model", choices=config.BENCH_MODELS, default=config.BENCH_MODELS[0],
-                        help="the network: the tutorial CNN, or ResNet-20 on synthetic "
-                             "32x32x3 images of 10 classes (--data-dir and --synthetic "
-                             "apply to the CNN only) (default: %(default)s)")
+                        help="the network: the tutorial CNN; the same with Keras' stock "
+                             "Conv2D and MaxPooling2D (cnn-stock: what kdist's JAX layers "
+                             "gain); or ResNet-20 on synthetic 32x32x3 images of 10 classes "
+                             "(--data-dir and --synthetic apply to the CNNs only) "
+                             "(default: %(default)s)")
     parser.add_argument("--no-fit", dest="fit", action="store_false",
                         help="measure kdist only, not Keras fit (several workers never "
                              "measure fit)")

@@ -18,7 +18,8 @@ from kdist import checks
 from kdist.precision import DEFAULT_PRECISION, PRECISIONS
 
 BENCH_WINDOWS = 4  # Steady epochs `kdist.bench` times after the first.
-BENCH_MODELS = ("cnn", "resnet20")  # kdist-bench --model's choices (`kdist.bench.MODELS`).
+# kdist-bench --model's choices (`kdist.bench.MODELS`).
+BENCH_MODELS = ("cnn", "cnn-stock", "resnet20")
 
 
 def _setting(default, help, flag="", choices=None):

@@ -14,9 +14,12 @@ this machine, and compares their training samples/s:
    crosses processes (TensorFlow: RING over gRPC; JAX: gloo).
 3. "alone": the same N pinned processes, started together, each training
    its own slice-sized batch with no peers: the workers' computation
-   without any communication.
+   without any communication. They share the memory bus and caches as the
+   workers do; their timed epochs overlap as far as their start-ups take
+   equally long.
 
-Every run has B examples per device, so each device computes the same
+Every run has B examples per device (`--batch-size-per-replica`, passed
+through with the other kdist-bench flags), so each device computes the same
 step: the global batch is N * B in 1 and 2, and B in each process of 3.
 The workers' share of step time spent communicating is
 
