@@ -9,8 +9,18 @@ Evaluation time is the second full pass over the test set (the first compiles).
 With several precisions (`kdist.precision`) each is measured in turn, kdist
 then fit, and gets one row of the table and one JSON line; peak memory is
 the process's, so a later row's includes the earlier ones'.
+
+`model` picks the network (`MODELS`): the tutorial CNN (also as "cnn-stock",
+with Keras' stock layers in place of `kdist.model`'s JAX formulations), or
+ResNet-20 (`kdist.resnet`) on its own synthetic 32x32x3 data. The header and every
+JSON line also describe the CPU (`kdist.cpuinfo`: model, speed flags,
+visible cores, measured matmul GFLOP/s). Under several workers
+(`kdist.engines.connect` first, as `kdist.cli` does) each worker trains its
+slice of every global batch, `fit` is not measured, and only the chief logs;
+`kdist.workerbench` uses this to measure the cost of communication.
 """
 
+import functools
 import json
 import resource
 import statistics
@@ -18,11 +28,17 @@ import time
 
 import keras
 
-from kdist import data, engines, inputs, training
+from kdist import cpuinfo, data, engines, inputs, resnet, training
 from kdist.steps import evaluate_source, run_steps, zero_totals
 from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.model import create_model
+from kdist.errors import UsageError
 from kdist.precision import DEFAULT_PRECISION, check_precision, policy
+
+# --model's choices (`kdist.config.BENCH_MODELS`): name -> the function building it.
+# cnn-stock is the CNN with Keras' own layers, to weigh `kdist.model`'s JAX formulations.
+MODELS = {"cnn": create_model, "cnn-stock": functools.partial(create_model, fast_layers=False),
+          "resnet20": resnet.create_resnet20}
 
 
 def peak_rss_mb():
@@ -74,18 +90,19 @@ class _Rows(keras.utils.PyDataset):
 
 
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
-                  precision=DEFAULT_PRECISION, input_kind="numpy"):
+                  precision=DEFAULT_PRECISION, input_kind="numpy", *, model_fn=create_model):
     keras.utils.set_random_seed(0)
     train, test = (input_source(input_kind, dataset.split(split), global_batch,
                                 split) for split in ("train", "test"))
     model, step = training.prepare_model(engine, global_batch,
-                                         training.sample_rows(dataset),
+                                         training.sample_rows(dataset), model_fn,
                                          precision=precision)
     engine.compile_steps(step, model.optimizer)
     seconds = []
     for epoch in range(1 + windows):
         start = time.perf_counter()
-        batches = train.train(global_batch, seed=0, epoch=epoch, limit=steps)
+        batches = train.train(global_batch, seed=0, epoch=epoch, limit=steps,
+                              shard=engine.shard)
         run_steps(engine, engine.train_chunk, batches, zero_totals(step),  # Ends on the host.
                   steps_per_execution=steps_per_execution)
         seconds.append(time.perf_counter() - start)
@@ -109,10 +126,11 @@ class _EpochTimes(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def measure_fit(engine, dataset, global_batch, steps, windows, precision=DEFAULT_PRECISION):
+def measure_fit(engine, dataset, global_batch, steps, windows, precision=DEFAULT_PRECISION, *,
+                model_fn=create_model):
     keras.utils.set_random_seed(0)
     with engine.scope(), policy(precision):  # mixed_float16: compile adds loss scaling.
-        model = create_model()
+        model = model_fn()
         model.compile(optimizer=keras.optimizers.Adam(1e-3),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
@@ -138,41 +156,72 @@ def _time_twice(fn):
 
 def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_per_replica,
         steps=None, windows=BENCH_WINDOWS, steps_per_execution=TrainConfig.steps_per_execution,
-        log=print, *, precisions=(DEFAULT_PRECISION,), input_kind="numpy"):
+        log=print, *, precisions=(DEFAULT_PRECISION,), input_kind="numpy", model="cnn",
+        fit=True, measure_peak=True):
     """Measures kdist then fit at each of `precisions`; logs a table with one row
     per precision, then one JSON line each, and returns the summaries (a dict for
-    one precision, a list of them for several)."""
+    one precision, a list of them for several).
+
+    `model` names the network (`MODELS`) that `dataset` suits. `fit` False
+    measures kdist alone, as do several workers (their fit figures are None).
+    `measure_peak` False leaves the CPU record's matmul GFLOP/s None.
+    """
     for precision in precisions:
         check_precision(precision)
+    if model not in MODELS:
+        raise UsageError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
     engine = engines.create_engine(replicas)
+    workers = engine.shard[1]
+    fit = fit and workers == 1
+    if not engine.is_chief:
+        log = _silent
+    cpu = cpuinfo.describe(measure_peak)
     global_batch = batch_size_per_replica * engine.num_replicas
     steps = data.steps_per_epoch(dataset.size("train"), global_batch, steps)
-    log(f"{engine.backend} {engine.version}, {engine.num_replicas} replica(s), global batch "
+    log(f"{engine.backend} {engine.version}, {engine.num_replicas} replica(s)"
+        f"{f' on {workers} workers' if workers > 1 else ''}, model {model}, global batch "
         f"{global_batch}, {steps} steps per epoch, 1 + {windows} epochs each, kdist "
         f"--steps-per-execution {steps_per_execution}, "
         f"data {dataset.source}, kdist input {input_kind}")
+    log(cpuinfo.format_record(cpu))
     rows, summaries = [], []
     for precision in precisions:
         mine = measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
-                             precision, input_kind)
-        theirs = measure_fit(engine, dataset, global_batch, steps, windows, precision)
+                             precision, input_kind, model_fn=MODELS[model])
+        theirs = (measure_fit(engine, dataset, global_batch, steps, windows, precision,
+                              model_fn=MODELS[model]) if fit else None)
         rows.append((precision, mine, theirs))
         summaries.append(dict(
-            backend=engine.backend, replicas=engine.num_replicas, precision=precision,
-            input=input_kind,
+            model=model, backend=engine.backend, workers=workers,
+            replicas=engine.num_replicas, precision=precision, input=input_kind,
             steps_per_execution=steps_per_execution, global_batch=global_batch, steps=steps,
-            kdist_samples_per_sec=round(mine["samples_per_sec"]),
-            fit_samples_per_sec=round(theirs["samples_per_sec"]),
-            ratio=round(mine["samples_per_sec"] / theirs["samples_per_sec"], 3),
-            first_epoch_seconds=round(mine["first_epoch_seconds"], 2),
-            fit_first_epoch_seconds=round(theirs["first_epoch_seconds"], 2),
-            eval_seconds=round(mine["eval_seconds"], 2),
-            fit_eval_seconds=round(theirs["eval_seconds"], 2),
-            peak_rss_mb=round(mine["peak_rss_mb"])))
+            **_figures(mine, theirs), **cpu))
     log(format_table(rows))
     for summary in summaries:
         log(json.dumps(summary))
     return summaries[0] if len(summaries) == 1 else summaries
+
+
+def _silent(line):
+    """The log of a worker other than the chief."""
+
+
+def _figures(mine, theirs):
+    """The JSON line's measurements of kdist (`mine`) and fit (`theirs`, None
+    where not measured: its figures are then None)."""
+    def fit(key, digits):
+        return None if theirs is None else round(theirs[key], digits)
+
+    return dict(
+        kdist_samples_per_sec=round(mine["samples_per_sec"]),
+        fit_samples_per_sec=fit("samples_per_sec", None),
+        ratio=None if theirs is None else round(
+            mine["samples_per_sec"] / theirs["samples_per_sec"], 3),
+        first_epoch_seconds=round(mine["first_epoch_seconds"], 2),
+        fit_first_epoch_seconds=fit("first_epoch_seconds", 2),
+        eval_seconds=round(mine["eval_seconds"], 2),
+        fit_eval_seconds=fit("eval_seconds", 2),
+        peak_rss_mb=round(mine["peak_rss_mb"]))
 
 
 # The table's columns: (heading, kdist's or fit's measurement, key, format).
@@ -189,16 +238,19 @@ _COLUMNS = (("kdist samples/s", "kdist", "samples_per_sec", "{:,.0f}"),
 def format_table(rows):
     """One line per (precision, kdist's measurements, fit's): train samples/s
     (median of the steady epochs) of both and their ratio, the first epoch
-    (with compiling), a full test-set evaluation, and the peak memory."""
+    (with compiling), a full test-set evaluation, and the peak memory; "-"
+    for fit's where it is None (not measured)."""
     width = max(len("precision"), *(len(row[0]) for row in rows)) + 2
     lines = [f"{'precision':{width}}" + "".join(f"{c[0]:>{len(c[0]) + 2}}" for c in _COLUMNS)]
     for precision, mine, theirs in rows:
         cells = []
         for heading, who, key, fmt in _COLUMNS:
-            if who is None:
-                value = mine[key] / theirs[key] if theirs[key] else float("nan")
+            if who != "kdist" and theirs is None:  # fit not measured.
+                text = "-"
+            elif who is None:
+                text = fmt.format(mine[key] / theirs[key] if theirs[key] else float("nan"))
             else:
-                value = (mine if who == "kdist" else theirs)[key]
-            cells.append(f"{fmt.format(value):>{len(heading) + 2}}")
+                text = fmt.format((mine if who == "kdist" else theirs)[key])
+            cells.append(f"{text:>{len(heading) + 2}}")
         lines.append(f"{precision:{width}}" + "".join(cells))
     return "\n".join(lines)

@@ -319,13 +319,30 @@ def bench_main(argv=None):
                         help="the dtype policies to measure, each one table row: "
                              f"{', '.join(config.PRECISIONS)}, or several separated by "
                              "commas (default: float32)")
+    _add_bench_choices(parser)
+    _add_common(parser, checkpoints=False)
+    _add_multiworker(parser)
+    # Keras' fit raises ValueError for inputs it cannot take; one line, as before.
+    return _run(parser, argv, _bench, failures=(ValueError,))
+
+
+def _add_bench_choices(parser):
+    parser.add_argument("--model", choices=config.BENCH_MODELS, default=config.BENCH_MODELS[0],
+                        help="the network: the tutorial CNN; the same with Keras' stock "
+                             "Conv2D and MaxPooling2D (cnn-stock: what kdist's JAX layers "
+                             "gain); or ResNet-20 on synthetic 32x32x3 images of 10 classes "
+                             "(--data-dir and --synthetic apply to the CNNs only) "
+                             "(default: %(default)s)")
     parser.add_argument("--input", choices=config.BENCH_INPUTS,
                         default="numpy", help="how kdist is fed the same arrays: directly, or "
                         "through tf.data, a PyDataset or Grain; fit always takes the arrays "
                         "(default: %(default)s)")
-    _add_common(parser, checkpoints=False)
-    # Keras' fit raises ValueError for inputs it cannot take; one line, as before.
-    return _run(parser, argv, _bench, failures=(ValueError,))
+    parser.add_argument("--no-fit", dest="fit", action="store_false",
+                        help="measure kdist only, not Keras fit (several workers never "
+                             "measure fit)")
+    parser.add_argument("--no-peak", dest="peak", action="store_false",
+                        help="skip measuring the CPU's matmul GFLOP/s (about 3 s; null in "
+                             "the JSON)")
 
 
 def _bench(args):
@@ -333,10 +350,13 @@ def _bench(args):
     if needs and importlib.util.find_spec(needs) is None:
         raise errors.UsageError(f"--input {args.input} needs {needs}, not installed: "
                                 f"pip install kdist[{needs}]")
+    spec = _cluster_spec(args)
     _start(args, args.replicas)
-    from kdist import bench
+    _connect(spec, args.replicas)
+    from kdist import bench, resnet
 
-    bench.run(load_data(args), args.replicas, args.batch_size_per_replica, args.steps,
+    dataset = resnet.synthetic_cifar() if args.model == "resnet20" else load_data(args)
+    bench.run(dataset, args.replicas, args.batch_size_per_replica, args.steps,
               args.windows, args.steps_per_execution, log=_log, precisions=args.precision,
-              input_kind=args.input)
+              model=args.model, fit=args.fit, measure_peak=args.peak, input_kind=args.input)
     return 0

@@ -20,6 +20,8 @@ from kdist.precision import DEFAULT_PRECISION, PRECISIONS
 BENCH_WINDOWS = 4  # Steady epochs `kdist.bench` times after the first.
 # How kdist-bench feeds kdist (`--input`): the arrays, or the same arrays through a pipeline.
 BENCH_INPUTS = ("numpy", "tfdata", "pydataset", "grain")
+# kdist-bench --model's choices (`kdist.bench.MODELS`).
+BENCH_MODELS = ("cnn", "cnn-stock", "resnet20")
 
 
 def _setting(default, help, flag="", choices=None):

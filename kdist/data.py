@@ -195,17 +195,23 @@ def load_fashion_mnist(data_dir=None):
 
 
 def synthetic_fashion_mnist(num_train=60000, num_test=10000, seed=0):
-    """Random data of Fashion-MNIST's shapes that a CNN can partly learn.
+    """Random data of Fashion-MNIST's shapes that a CNN can partly learn
+    (`synthetic_images`)."""
+    return synthetic_images(num_train, num_test, seed, IMAGE_SHAPE)
+
+
+def synthetic_images(num_train, num_test, seed, image_shape, num_classes=NUM_CLASSES):
+    """Random images of `image_shape` in [0, 1] and integer labels below `num_classes`.
 
     Each class is a faint random template under heavy noise, so accuracy
     rises over epochs without reaching 100% at once.
     """
     rng = np.random.default_rng(seed)
-    templates = rng.normal(0.0, 0.12, (NUM_CLASSES,) + IMAGE_SHAPE).astype(np.float32)
+    templates = rng.normal(0.0, 0.12, (num_classes,) + tuple(image_shape)).astype(np.float32)
 
     def make(n):
-        labels = rng.integers(0, NUM_CLASSES, n).astype(np.int32)
-        noise = rng.normal(0.5, 0.5, (n,) + IMAGE_SHAPE).astype(np.float32)
+        labels = rng.integers(0, num_classes, n).astype(np.int32)
+        noise = rng.normal(0.5, 0.5, (n,) + tuple(image_shape)).astype(np.float32)
         return np.clip(templates[labels] + noise, 0.0, 1.0), labels
 
     train_images, train_labels = make(num_train)

@@ -56,8 +56,12 @@ class Conv2D(keras.layers.Conv2D):
         return self.activation(outputs) if self.activation is not None else outputs
 
 
-def create_model(num_classes=10):
+def create_model(num_classes=10, fast_layers=True):
     """Conv2D(32,3,relu)-MaxPool-Conv2D(64,3,relu)-MaxPool-Flatten-Dense(64,relu)-Dense(10).
+
+    `fast_layers` False builds it from Keras' stock Conv2D and MaxPooling2D,
+    without the JAX formulations above (`kdist-bench --model cnn-stock`
+    measures what they gain on a CPU); the weights are the same either way.
 
     The last layer returns logits; the loss applies the softmax. It computes
     in float32 under every dtype policy (`kdist.precision`): under a mixed
@@ -66,13 +70,15 @@ def create_model(num_classes=10):
     off by up to 0.03) would enter the float32 loss with that error, as
     Keras' mixed precision guide warns.
     """
+    conv, pool = (Conv2D, MaxPooling2D) if fast_layers else (keras.layers.Conv2D,
+                                                             keras.layers.MaxPooling2D)
     return keras.Sequential(
         [
             keras.Input((28, 28, 1)),
             keras.layers.Conv2D(32, 3, activation="relu"),
-            MaxPooling2D(),
-            Conv2D(64, 3, activation="relu"),
-            MaxPooling2D(),
+            pool(),
+            conv(64, 3, activation="relu"),
+            pool(),
             keras.layers.Flatten(),
             keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(num_classes, dtype="float32"),

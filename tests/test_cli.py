@@ -163,13 +163,18 @@ def test_bench_runs_briefly_and_ends_with_its_json_line():
                     "--batch-size-per-replica", "8", "--steps", "3", "--windows", "2")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[1].split()[:4] == ["precision", "kdist", "samples/s", "fit"]
-    assert lines[2].split()[0] == "float32"  # One row per --precision; float32 by default.
+    assert ", model cnn, " in lines[0] and lines[1].startswith("CPU ")  # The CPU's line.
+    assert lines[2].split()[:4] == ["precision", "kdist", "samples/s", "fit"]
+    assert lines[3].split()[0] == "float32"  # One row per --precision; float32 by default.
     summary = json.loads(lines[-1])
     for key in ("backend", "replicas", "precision", "kdist_samples_per_sec",
-                "fit_samples_per_sec", "ratio", "first_epoch_seconds", "peak_rss_mb"):
+                "fit_samples_per_sec", "ratio", "first_epoch_seconds", "peak_rss_mb",
+                "cpu_model", "cpu_flags"):
         assert key in summary
     assert summary["replicas"] == 2 and summary["kdist_samples_per_sec"] > 0
+    assert (summary["model"], summary["workers"]) == ("cnn", 1)
+    assert summary["cpu_cores"] == len(os.sched_getaffinity(0))
+    assert summary["matmul_gflops_float32"] > 0 and summary["matmul_gflops_bfloat16"] > 0
     # The JSON rounds samples/s to whole numbers and the ratio to 3 decimals.
     mine, theirs = summary["kdist_samples_per_sec"], summary["fit_samples_per_sec"]
     low, high = (mine - 0.5) / (theirs + 0.5), (mine + 0.5) / (theirs - 0.5)

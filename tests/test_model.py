@@ -55,3 +55,12 @@ def test_conv2d_matches_keras_with_the_same_weights():
     for a, b in zip(grads_a, grads_b):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-5)
     assert [w.shape for w in ours.get_weights()] == [(3, 3, 32, 64), (64,)]
+
+
+def test_the_stock_cnn_has_keras_layers_where_the_cnn_has_kdists_and_the_same_weights():
+    fast, stock = kdist_model.create_model(), kdist_model.create_model(fast_layers=False)
+    kinds = [(type(a), type(b)) for a, b in zip(fast.layers, stock.layers) if type(a) != type(b)]
+    assert kinds == [(kdist_model.MaxPooling2D, keras.layers.MaxPooling2D),
+                     (kdist_model.Conv2D, keras.layers.Conv2D),
+                     (kdist_model.MaxPooling2D, keras.layers.MaxPooling2D)]
+    assert [w.shape for w in fast.get_weights()] == [w.shape for w in stock.get_weights()]

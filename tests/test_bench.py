@@ -1,0 +1,93 @@
+"""kdist-bench's choices and records: --model, kdist alone (--no-fit, several
+workers), and `kdist.workerbench`'s runs and arithmetic."""
+
+import argparse
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import REPO
+from kdist import bench, cli, config, workerbench
+
+MINE = dict(samples_per_sec=1000.4, first_epoch_seconds=2.345, eval_seconds=0.5,
+            peak_rss_mb=900.2)
+
+
+def test_the_models_are_the_flags_choices():
+    parser = argparse.ArgumentParser()
+    cli._add_bench_choices(parser)
+    action = next(a for a in parser._actions if a.dest == "model")
+    assert tuple(bench.MODELS) == tuple(action.choices) == config.BENCH_MODELS
+    assert action.default == "cnn"
+
+
+def test_resnet20_gets_its_own_data_and_the_flags(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "run", lambda dataset, *args, **kwargs: calls.append(
+        (dataset, args, kwargs)))
+    assert cli.bench_main(["--model", "resnet20", "--no-fit", "--no-peak", "--steps", "2"]) == 0
+    [(dataset, args, kwargs)] = calls
+    assert dataset.train_x.shape[1:] == (32, 32, 3) and dataset.test_x.shape[1:] == (32, 32, 3)
+    assert args[2] == 2  # --steps
+    assert (kwargs["model"], kwargs["fit"], kwargs["measure_peak"]) == ("resnet20", False, False)
+
+
+def test_without_fit_its_figures_are_none_and_the_table_shows_dashes():
+    figures = bench._figures(MINE, None)
+    assert figures["kdist_samples_per_sec"] == 1000 and figures["first_epoch_seconds"] == 2.35
+    assert figures["fit_samples_per_sec"] is figures["ratio"] is figures["fit_eval_seconds"] \
+        is None
+    theirs = dict(MINE, samples_per_sec=500.0)
+    assert bench._figures(MINE, theirs)["ratio"] == 2.001
+    table = bench.format_table([("float32", MINE, None), ("mixed_bfloat16", MINE, theirs)])
+    alone, both = table.splitlines()[1:]
+    assert alone.split() == ["float32", "1,000", "-", "-", "2.35", "-", "0.50", "-", "900"]
+    assert both.split()[1:4] == ["1,000", "500", "2.00x"]
+
+
+def test_core_groups_are_disjoint_and_equal_or_none():
+    assert workerbench.core_groups({3, 1, 2, 0, 4}, 2) == [[0, 1], [2, 3]]
+    assert workerbench.core_groups({5}, 2) is None
+
+
+def test_the_communication_share_compares_workers_with_the_same_work_alone():
+    def line(rate, **more):
+        return dict(model="cnn", backend="jax", precision="float32", workers=2,
+                    global_batch=16, cpu_model="x", cpu_cores=2,
+                    kdist_samples_per_sec=rate, **more)
+
+    [row] = workerbench.summarize([line(1200)], [line(600)], [[line(500)], [line(300)]], True)
+    assert row["workers_vs_one_process"] == 0.5
+    # Alone, the two processes train 800 samples/s; together 600: a quarter of the time
+    # is communication.
+    assert row["communication_share"] == 0.25
+    assert row["alone_samples_per_sec"] == [500, 300] and row["pinned"] is True
+
+
+def test_flags_the_runs_set_themselves_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        workerbench.main(["--", "--synthetic", "--replicas", "2"])
+    assert exit_info.value.code == 2 and "set --replicas" in capsys.readouterr().err
+
+
+def test_two_bench_workers_train_together_and_only_the_chief_reports(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    pins = workerbench.core_groups(os.sched_getaffinity(0), 2) or [None, None]
+    peers = ",".join(f"127.0.0.1:{p}" for p in workerbench.launch.free_ports(2))
+    # 64 per replica: the evaluations of the 10,000 test examples take few steps.
+    common = ["--synthetic", "--batch-size-per-replica", "64", "--steps", "2", "--windows", "1",
+              "--steps-per-execution", "2", "--no-peak"]
+    commands = [workerbench._command(pins[i], common, "--replicas", "1", "--peers", peers,
+                                     "--worker-index", str(i)) for i in range(2)]
+    assert commands[0][:2] == [sys.executable, "-c"]
+    chief, other = workerbench.run_benches(commands, timeout=240)
+    assert other == []
+    [line] = chief
+    assert (line["workers"], line["replicas"], line["global_batch"]) == (2, 2, 128)
+    assert line["fit_samples_per_sec"] is None and line["kdist_samples_per_sec"] > 0
+    if pins[0] is not None:
+        assert line["cpu_cores"] == len(pins[0])
+    assert np.isfinite(line["eval_seconds"])
