@@ -29,6 +29,7 @@ import time
 import keras
 
 from kdist import cpuinfo, data, engines, inputs, resnet, training
+from kdist import replicas as replica_processes
 from kdist.steps import evaluate_source, run_steps, zero_totals
 from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.model import create_model
@@ -157,19 +158,29 @@ def _time_twice(fn):
 def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_per_replica,
         steps=None, windows=BENCH_WINDOWS, steps_per_execution=TrainConfig.steps_per_execution,
         log=print, *, precisions=(DEFAULT_PRECISION,), input_kind="numpy", model="cnn",
-        fit=True, measure_peak=True):
+        fit=True, measure_peak=True, stop=None):
     """Measures kdist then fit at each of `precisions`; logs a table with one row
     per precision, then one JSON line each, and returns the summaries (a dict for
     one precision, a list of them for several).
 
     `model` names the network (`MODELS`) that `dataset` suits. `fit` False
     measures kdist alone, as do several workers (their fit figures are None).
-    `measure_peak` False leaves the CPU record's matmul GFLOP/s None.
+    `measure_peak` False leaves the CPU record's matmul GFLOP/s None. On
+    torch, several replicas are several processes (`kdist.replicas`), each
+    measuring its share, as workers do; `stop` is their stop request, unused.
     """
     for precision in precisions:
         check_precision(precision)
     if model not in MODELS:
         raise UsageError(f"model must be one of {', '.join(MODELS)}, got {model!r}")
+    processes = engines.replica_processes(replicas)
+    if processes:
+        arguments = dict(dataset=dataset, replicas=replicas,
+                         batch_size_per_replica=batch_size_per_replica, steps=steps,
+                         windows=windows, steps_per_execution=steps_per_execution,
+                         precisions=precisions, input_kind=input_kind, model=model, fit=fit,
+                         measure_peak=measure_peak)
+        return replica_processes.run(processes, run, arguments, log=log)
     engine = engines.create_engine(replicas)
     workers = engine.shard[1]
     fit = fit and workers == 1

@@ -35,6 +35,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What train.py returns after it checkpointed and stopped on SIGINT, SIGTERM or SIGHUP.
 STOPPED_STATUSES = tuple(128 + s for s in STOP_SIGNALS)
 LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to follow.
+# Tells a worker how many training processes share this machine (the torch engine
+# splits the cores between them).
+LOCAL_PROCESSES_VARIABLE = "KDIST_LOCAL_PROCESSES"
 
 
 def parser():
@@ -128,6 +131,7 @@ def start(num_workers, train_args):
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     env["PYTHONUNBUFFERED"] = "1"
     env[LAUNCHER_VARIABLE] = str(os.getpid())
+    env[LOCAL_PROCESSES_VARIABLE] = str(num_workers)
     workers = []
     for index in range(num_workers):
         command = [*TRAIN, *train_args, "--peers", peers,

@@ -102,7 +102,8 @@ def _check_memory(num_replicas, meminfo="/proc/meminfo"):
 
 def _start(spec, payload):
     read, write = os.pipe()
-    env = dict(os.environ, **{launch.LAUNCHER_VARIABLE: str(os.getpid())})
+    env = dict(os.environ, **{launch.LAUNCHER_VARIABLE: str(os.getpid()),
+                              launch.LOCAL_PROCESSES_VARIABLE: str(spec.num_workers)})
     for name in launch.CLUSTER_VARIABLES + cluster.TORCHRUN_VARIABLES:
         env.pop(name, None)  # This group is described by `spec` alone.
     process = subprocess.Popen(
@@ -204,7 +205,6 @@ def replica_main():
                 fn, kwargs = pickle.load(f)
             from kdist import engines  # Loads Keras and the backend.
 
-            _share_cores(spec.num_workers)
             with cluster.connect_deadline(spec):
                 engines.connect(spec)
             result = fn(**kwargs, log=log, stop=stop)
@@ -216,13 +216,6 @@ def replica_main():
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
-
-
-def _share_cores(processes):
-    """Splits this machine's cores between the replica processes (torch threads)."""
-    import torch
-
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // processes))
 
 
 def _portable(error):

@@ -15,6 +15,7 @@ import keras
 import torch
 import torch.distributed as dist
 
+from kdist import launch
 from kdist.data import map_arrays as _map_arrays
 from kdist.errors import UsageError
 from kdist.step import ema_variables, loss_scale, skipped
@@ -43,10 +44,28 @@ def connect(spec, replicas=None):
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    _share_cores()
     dist.init_process_group(
         "nccl" if device.type == "cuda" else "gloo",
         init_method=f"tcp://{spec.coordinator}", rank=spec.worker_index,
         world_size=spec.num_workers, timeout=datetime.timedelta(seconds=spec.connect_timeout))
+
+
+def _share_cores():
+    """Splits this machine's cores between the training processes on it.
+
+    Each process would otherwise run one thread per core; with several
+    processes per machine the threads then outnumber the cores and torch's
+    OpenMP threads, which spin while they wait for each other, slow every
+    step several times over. The count of processes comes from kdist's
+    launchers (`KDIST_LOCAL_PROCESSES`) or torchrun (`LOCAL_WORLD_SIZE`); an
+    `OMP_NUM_THREADS` that is set (torchrun sets 1) is left as it is.
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return
+    local = (os.environ.get(launch.LOCAL_PROCESSES_VARIABLE)
+             or os.environ.get("LOCAL_WORLD_SIZE") or "1")
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(local)))
 
 
 def connected():
