@@ -157,17 +157,17 @@ def _outcome(processes, reported):
     if not errors and reported.get(0, (None,))[0] == "ok":
         return reported[0][1]
     for rank, process in enumerate(processes):
-        if rank not in reported:
-            code = process.poll()
-            status = launch.exit_status(code) if code is not None else "none (still running)"
-            raise TrainingError(f"replica process {rank} exited with status {status} "
-                                "without a result; stopped the others")
+        if rank not in reported and process.poll() is not None:
+            raise TrainingError(f"replica process {rank} exited with status "
+                                f"{launch.exit_status(process.poll())} without a result; "
+                                "stopped the others")
     causes = [e for _, e in errors if not isinstance(e, Interrupted)]
     if causes:
         raise causes[0]
     if errors:
         raise dict(errors).get(0, errors[0][1])
-    raise TrainingError("the replica processes ended without a result")
+    raise TrainingError(f"the replica processes gave no result within {GRACE_SECONDS:g} s "
+                        "of a failure; stopped them")
 
 
 def _terminate(processes):

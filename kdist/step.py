@@ -129,7 +129,8 @@ class Step:
                  "skipped": ops.zeros((), "float32")}
         for i, (variable, reset) in enumerate(zip(self.metric_variables, self.reset_values)):
             value = scope.get_current_value(variable)
-            stats[metric_key(i)] = ops.cast(value, "float32") - reset.astype("float32")
+            stats[metric_key(i)] = (ops.cast(value, "float32")
+                                    - ops.convert_to_tensor(reset, "float32"))
         # None where the step assigned nothing (frozen weights): engines skip those.
         new_non_trainable = [None if new is old else new for new, old in zip(
             (scope.get_current_value(v) for v in model.non_trainable_variables), before)]

@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 
+from helpers import SEVERAL
 from kdist import engines, inputs, pipelines, prefetch, steps, training
 from kdist.errors import DataError, UsageError
 from test_training import StopAfter, checkpoint_arrays, without_timing
@@ -77,8 +78,9 @@ def tf_data(x, y, size, shuffle=None):
 
 
 def config(tmp_path, name, **overrides):
-    settings = dict(epochs=2, batch_size_per_replica=16, replicas=2, checkpoint_every=1,
-                    checkpoint_dir=str(tmp_path / name), seed=SEED, progress=False)
+    settings = dict(epochs=2, batch_size_per_replica=32 // SEVERAL, replicas=SEVERAL,
+                    checkpoint_every=1, checkpoint_dir=str(tmp_path / name), seed=SEED,
+                    progress=False)
     settings.update(overrides)
     return training.TrainConfig(**settings)
 

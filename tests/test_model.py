@@ -21,6 +21,14 @@ def gradients(layer, x):
         (_, out), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
             x, [v.value for v in layer.trainable_variables])
         return out, [grads[0]] + list(grads[1])
+    if keras.backend.backend() == "torch":
+        import torch
+
+        inputs = torch.tensor(x, requires_grad=True)
+        out = layer(inputs)
+        total = (out * torch.as_tensor(probe)).sum()
+        grads = torch.autograd.grad(total, [inputs] + [v.value for v in layer.trainable_variables])
+        return out.detach().numpy(), [g.numpy() for g in grads]
     import tensorflow as tf
 
     inputs = tf.constant(x)

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 
+from helpers import SEVERAL
 from kdist import checkpoints, data, engines, steps, training
 from kdist.step import ema_variables
 from test_training import StopAfter, checkpoint_arrays
@@ -239,7 +240,8 @@ def tiny_dataset():
 
 
 def config(tmp_path, name, **overrides):
-    settings = dict(epochs=2, batch_size_per_replica=4, replicas=2, steps_per_epoch=5,
+    settings = dict(epochs=2, batch_size_per_replica=8 // SEVERAL, replicas=SEVERAL,
+                    steps_per_epoch=5,
                     steps_per_execution=1, checkpoint_every=1,
                     checkpoint_dir=str(tmp_path / name), seed=5)
     settings.update(overrides)

@@ -10,6 +10,7 @@ import keras
 import numpy as np
 import pytest
 
+from helpers import SEVERAL
 from kdist import data, engines, steps, training
 
 BACKEND = keras.backend.backend()
@@ -157,7 +158,7 @@ def test_train_and_evaluate_reports_keras_evaluate_numbers_for_float_targets(tmp
         built.append(regression_model(3))
         return built[-1]
 
-    config = training.TrainConfig(epochs=2, batch_size_per_replica=16, replicas=2,
+    config = training.TrainConfig(epochs=2, batch_size_per_replica=32 // SEVERAL, replicas=SEVERAL,
                                   checkpoint_dir=str(tmp_path / "run"), seed=3)
     result = training.train_and_evaluate(config, dataset, model_fn=model_fn,
                                          log=lambda line: None)

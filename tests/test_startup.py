@@ -171,8 +171,8 @@ def test_selected_backend_agrees_with_keras(tmp_path, monkeypatch):
 def test_unsupported_backend_in_keras_json_names_the_file(tmp_path, monkeypatch):
     monkeypatch.delenv("KERAS_BACKEND", raising=False)
     monkeypatch.setenv("KERAS_HOME", str(tmp_path))
-    (tmp_path / "keras.json").write_text(json.dumps({"backend": "torch"}))
-    with pytest.raises(startup.UsageError, match=r'"backend" in .*keras.json=torch'):
+    (tmp_path / "keras.json").write_text(json.dumps({"backend": "numpy"}))
+    with pytest.raises(startup.UsageError, match=r'"backend" in .*keras.json=numpy'):
         startup.prepare_environment()
 
 

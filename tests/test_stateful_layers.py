@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from helpers import SEVERAL
 from kdist import checkpoints, data, engines, steps, training
 from kdist.step import metric_key
 from kdist.errors import Interrupted
@@ -100,7 +101,8 @@ def test_bn_dropout_cnn_trains_like_keras_fit_within_noise(tmp_path):
     dataset = data.synthetic_fashion_mnist(num_train=1024, num_test=512, seed=2)
     fits = [fit_once(dataset, seed) for seed in FIT_SEEDS]
     recording = Recording(bn_dropout_cnn)
-    config = training.TrainConfig(epochs=EPOCHS, batch_size_per_replica=BATCH // 2, replicas=2,
+    config = training.TrainConfig(epochs=EPOCHS, batch_size_per_replica=BATCH // SEVERAL,
+                                  replicas=SEVERAL,
                                   checkpoint_dir=str(tmp_path / "run"), seed=FIT_SEEDS[0],
                                   steps_per_execution=2)  # Compiles fast on JAX.
     result = training.train_and_evaluate(config, dataset, model_fn=recording,
@@ -131,7 +133,7 @@ def test_resume_mid_epoch_is_bitwise_the_uninterrupted_run(tmp_path):
 
     def config(name):
         return training.TrainConfig(
-            epochs=2, batch_size_per_replica=8, replicas=2, steps_per_epoch=6,
+            epochs=2, batch_size_per_replica=16 // SEVERAL, replicas=SEVERAL, steps_per_epoch=6,
             steps_per_execution=2, checkpoint_every=1, checkpoint_dir=str(tmp_path / name),
             seed=9)
 

@@ -27,7 +27,8 @@ def run(step, batch, share=1.0):
     loss, (stats, _) = step.loss_and_updates(
         [v.value for v in model.trainable_variables],
         [v.value for v in model.non_trainable_variables], batch, True, share)
-    return float(loss), {k: np.asarray(v, np.float64) for k, v in stats.items()}
+    return float(loss), {k: np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+                         for k, v in stats.items()}
 
 
 @pytest.mark.parametrize("regularization", [0.0, 0.01])
@@ -35,7 +36,8 @@ def test_statistics_sum_the_loss_and_count_the_model_losses_per_example(regulari
     model, x, labels = one_hot_model(regularization)
     step = Step(model, global_batch_size=3)
     _, stats = run(step, (x, labels, None))
-    per_example = np.asarray(losses.sparse_categorical_crossentropy(labels, model(x)))
+    per_example = keras.ops.convert_to_numpy(
+        losses.sparse_categorical_crossentropy(labels, model(x)))
     penalty = regularization * 25.0 * 10  # L2 of 5 * I (10 x 10).
     assert stats["count"] == 3.0
     assert stats["loss_sum"] == pytest.approx(per_example.sum() + 3 * penalty, rel=1e-6)

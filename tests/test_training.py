@@ -6,13 +6,15 @@ import h5py
 import numpy as np
 import pytest
 
+from helpers import SEVERAL
 from kdist import checkpoints, losses, training
 
 TIMING = ("seconds", "samples_per_sec")
 
 
 def config(tmp_path, name, **overrides):
-    settings = dict(epochs=4, batch_size_per_replica=16, replicas=2, steps_per_epoch=6,
+    settings = dict(epochs=4, batch_size_per_replica=32 // SEVERAL, replicas=SEVERAL,
+                    steps_per_epoch=6,
                     checkpoint_every=1, checkpoint_dir=str(tmp_path / name), seed=5)
     settings.update(overrides)
     return training.TrainConfig(**settings)
