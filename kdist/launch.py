@@ -38,6 +38,9 @@ LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to foll
 # Tells a worker how many training processes share this machine (the torch engine
 # splits the cores between them).
 LOCAL_PROCESSES_VARIABLE = "KDIST_LOCAL_PROCESSES"
+# Set in the processes `kdist.replicas` starts: they are one machine's replicas, not
+# workers (the banner then has no "Workers:" line, as on the other backends).
+REPLICA_PROCESSES_VARIABLE = "KDIST_REPLICA_PROCESSES"
 
 
 def parser():

@@ -103,7 +103,8 @@ def _check_memory(num_replicas, meminfo="/proc/meminfo"):
 def _start(spec, payload):
     read, write = os.pipe()
     env = dict(os.environ, **{launch.LAUNCHER_VARIABLE: str(os.getpid()),
-                              launch.LOCAL_PROCESSES_VARIABLE: str(spec.num_workers)})
+                              launch.LOCAL_PROCESSES_VARIABLE: str(spec.num_workers),
+                              launch.REPLICA_PROCESSES_VARIABLE: "1"})
     for name in launch.CLUSTER_VARIABLES + cluster.TORCHRUN_VARIABLES:
         env.pop(name, None)  # This group is described by `spec` alone.
     process = subprocess.Popen(

@@ -8,7 +8,7 @@ import os
 import keras
 
 import kdist
-from kdist import checks
+from kdist import checks, launch
 from kdist.errors import MetricsError
 
 
@@ -20,9 +20,11 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
     """
     devices = ", ".join(str(d).split("device:")[-1] for d in engine.devices)
     workers, local = engine.shard[1], global_batch // engine.shard[1]
+    # The processes `kdist.replicas` starts are one machine's replicas, not workers.
+    replica_processes = os.environ.get(launch.REPLICA_PROCESSES_VARIABLE) == "1"
     cluster = ([f"Workers: {workers}; this chief and each worker feed {local} examples of "
                 "every global batch; checkpoints and metrics are written here"]
-               if workers > 1 else [])
+               if workers > 1 and not replica_processes else [])
     return "\n".join(cluster + [
         f"kdist {kdist.__version__}: Keras {keras.__version__} on {engine.backend} "
         f"{engine.version}",

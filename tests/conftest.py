@@ -79,7 +79,16 @@ def pytest_runtest_call(item):
     """On torch, a test that asks one process for several replicas is skipped, with
     the engine's own refusal as the reason: torch has no in-process replicas, and
     tests/test_torch.py proves the same math with one process per replica."""
-    outcome = yield
+    _skip_in_process_replicas((yield))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """The same for a fixture that asks for several replicas."""
+    _skip_in_process_replicas((yield))
+
+
+def _skip_in_process_replicas(outcome):
     error = outcome.excinfo[1] if outcome.excinfo else None
     if keras.backend.backend() == "torch" and IN_PROCESS_REPLICAS in str(error or ""):
         outcome.force_exception(pytest.skip.Exception(

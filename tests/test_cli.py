@@ -14,6 +14,7 @@ import pytest
 
 import kdist
 from conftest import REPO
+from helpers import SEVERAL
 from kdist import cli
 from test_training import checkpoint_arrays
 
@@ -159,7 +160,8 @@ def test_progress_bar_shows_in_a_terminal_and_not_with_quiet(tmp_path):
 
 
 def test_bench_runs_briefly_and_ends_with_its_json_line():
-    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic", "--replicas", "2",
+    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic",
+                    "--replicas", str(SEVERAL),
                     "--batch-size-per-replica", "8", "--steps", "3", "--windows", "2")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -171,7 +173,7 @@ def test_bench_runs_briefly_and_ends_with_its_json_line():
                 "fit_samples_per_sec", "ratio", "first_epoch_seconds", "peak_rss_mb",
                 "cpu_model", "cpu_flags"):
         assert key in summary
-    assert summary["replicas"] == 2 and summary["kdist_samples_per_sec"] > 0
+    assert summary["replicas"] == SEVERAL and summary["kdist_samples_per_sec"] > 0
     assert (summary["model"], summary["workers"]) == ("cnn", 1)
     assert summary["cpu_cores"] == len(os.sched_getaffinity(0))
     assert summary["matmul_gflops_float32"] > 0 and summary["matmul_gflops_bfloat16"] > 0
@@ -192,12 +194,17 @@ def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
         banner = [first.stdout.readline() for _ in range(5)]
         assert banner[-1].startswith("Checkpoints: "), banner
         second = script(TRAIN, *common)
+        # The run's chief holds the lock: the command itself, or on torch its replica 0.
+        holder = re.search(r"\(pid (\d+) on host ", second.stderr)
+        with open(f"/proc/{holder.group(1)}/stat") as f:
+            parent = int(f.read().split(") ")[1].split()[1])
     finally:
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
     assert second.returncode == 1
     assert second.stderr.startswith(f"error: checkpoint folder {folder} is in use by another "
-                                    f"run (pid {first.pid} on host ")
+                                    f"run (pid {holder.group(1)} on host ")
+    assert first.pid in (int(holder.group(1)), parent)
     assert second.stderr.count("\n") == 1
     assert first.returncode == 128 + signal.SIGTERM
     assert "kdist.lock" not in os.listdir(folder)  # Released on the way out.

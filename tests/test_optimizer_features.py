@@ -204,7 +204,10 @@ def keras_loss(model, rows):
     return float(keras.ops.convert_to_numpy(loss(Y[rows], model(X[rows], training=False))))
 
 
-@pytest.mark.parametrize("overwrite", [None, 2])
+@pytest.mark.parametrize("overwrite", [None, pytest.param(2, marks=pytest.mark.skipif(
+    keras.backend.backend() == "torch",
+    reason="on torch, fit's weights after 3 steps with ema_overwrite_frequency=2 equal its "
+           "averages to 5e-4: this reference cannot tell the two apart"))])
 def test_evaluation_uses_the_moving_averages_that_fit_ends_with(overwrite):
     # With use_ema, fit trains the weights, keeps their moving averages in the
     # optimizer (every `overwrite` steps it also copies them into the weights)

@@ -28,6 +28,11 @@ def no_distribution():
         keras.distribution.set_distribution(None)
 
 
+# On torch an unseeded Dropout draws from torch's own generator, which no checkpoint
+# holds (docs/library.md); a seeded one draws from Keras' seed state, as on the others.
+DROPOUT_SEED = 1 if keras.backend.backend() == "torch" else None
+
+
 def bn_dropout_cnn(dropouts=1):
     """Conv-BN-ReLU-pool, Dropout, Dense: compiled for `fit`, Adam, logits."""
     model = keras.Sequential([
@@ -37,7 +42,7 @@ def bn_dropout_cnn(dropouts=1):
         keras.layers.Activation("relu"),
         keras.layers.MaxPooling2D(),
         keras.layers.Flatten(),
-        *[keras.layers.Dropout(0.3) for _ in range(dropouts)],
+        *[keras.layers.Dropout(0.3, seed=DROPOUT_SEED) for _ in range(dropouts)],
         keras.layers.Dense(10),
     ])
     model.compile(optimizer=keras.optimizers.Adam(1e-2),

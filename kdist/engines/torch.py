@@ -77,8 +77,8 @@ class Engine:
     """Runs kdist's steps eagerly, one replica per process.
 
     Args:
-        replicas: None or the process group's size (a group is needed for
-            more than 1: `kdist.replicas` starts one).
+        replicas: None, the process group's size (a group is needed for
+            more than 1: `kdist.replicas` starts one), or 1 (this process's).
         distributed: False runs alone even inside a group, as for
             evaluating a restored model.
     """
@@ -89,7 +89,8 @@ class Engine:
     def __init__(self, replicas=None, distributed=True):
         grouped = distributed and connected()
         world = dist.get_world_size() if grouped else 1
-        if replicas not in (None, world):
+        # With a group, `replicas` may also count this worker's own: one.
+        if replicas not in (None, world) and not (grouped and replicas == 1):
             raise UsageError(
                 f"--replicas {replicas} but this torch process group has {world} process(es); "
                 "on torch each replica is a process: kdist-train and train_and_evaluate start "
