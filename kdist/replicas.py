@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from multiprocessing import connection
 
 import cloudpickle
@@ -52,8 +53,9 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     each; returns what process 0's call returned.
 
     Raises, in this order of preference: `TrainingError` naming a process
-    that ended without reporting (killed by a signal, say); the first error
-    a process reported (the others then fail in a collective); process 0's
+    that ended without reporting (killed by a signal, say); the first kdist
+    error a process reported, else the first other error (the others then
+    fail in a collective; that one's traceback is printed); process 0's
     `Interrupted` after a stop.
     """
     _check_memory(num_replicas)
@@ -70,6 +72,7 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
         payload = os.path.join(folder, "call.pickle")
         with open(payload, "wb") as f:
             pickle.dump(sys.path, f)  # The caller's modules, importable in every process.
+            f.write(cloudpickle.dumps(warnings.showwarning))  # How it shows warnings.
             f.write(call)
         address = f"127.0.0.1:{launch.free_ports(1)[0]}"
         for rank in range(num_replicas):
@@ -152,7 +155,7 @@ def _failed(processes, reported):
 
 
 def _outcome(processes, reported):
-    """Process 0's result, or the error that `run` raises."""
+    """Process 0's result, or the error that `run` raises (see `run`)."""
     errors = [(rank, _rebuilt(*value)) for rank, (kind, value) in reported.items()
               if kind == "error"]
     if not errors and reported.get(0, (None,))[0] == "ok":
@@ -162,11 +165,13 @@ def _outcome(processes, reported):
             raise TrainingError(f"replica process {rank} exited with status "
                                 f"{launch.exit_status(process.poll())} without a result; "
                                 "stopped the others")
-    causes = [e for _, e in errors if not isinstance(e, Interrupted)]
+    # kdist's own errors first: another process's failure in a collective follows them.
+    causes = sorted((e for _, e in errors if not isinstance(e, Interrupted)),
+                    key=lambda e: e.replica_traceback is not None)
     if causes:
-        raise causes[0]
+        raise _raised(causes[0])
     if errors:
-        raise dict(errors).get(0, errors[0][1])
+        raise _raised(dict(errors).get(0, errors[0][1]))
     raise TrainingError(f"the replica processes gave no result within {GRACE_SECONDS:g} s "
                         "of a failure; stopped them")
 
@@ -203,6 +208,7 @@ def replica_main():
         with interrupt.stop_on_signals(stop):
             with open(payload, "rb") as f:
                 sys.path[:] = pickle.load(f)
+                warnings.showwarning = pickle.load(f)
                 fn, kwargs = pickle.load(f)
             from kdist import engines  # Loads Keras and the backend.
 
@@ -211,8 +217,6 @@ def replica_main():
             result = fn(**kwargs, log=log, stop=stop)
         pipe.send(("ok", result if chief else None))
     except BaseException as e:  # noqa: BLE001 (every outcome goes to the parent)
-        if not isinstance(e, KdistError):
-            traceback.print_exc()
         pipe.send(("error", _portable(e)))
     finally:
         sys.stdout.flush()
@@ -220,15 +224,25 @@ def replica_main():
 
 
 def _portable(error):
-    """(class, message, attributes) of `error`: a kdist error comes back as itself;
-    any other as a TrainingError with its type and message."""
+    """(class, message, attributes, traceback) of `error`: a kdist error comes back
+    as itself; any other as a TrainingError with its type, message and traceback."""
     if isinstance(error, KdistError):
-        return type(error), str(error), dict(vars(error))
-    return TrainingError, f"{type(error).__name__}: {error}", {}
+        return type(error), str(error), dict(vars(error)), None
+    return (TrainingError, f"{type(error).__name__}: {error}", {},
+            "".join(traceback.format_exception(error)))
 
 
-def _rebuilt(cls, message, attributes):
+def _rebuilt(cls, message, attributes, trace):
     error = cls.__new__(cls)
     Exception.__init__(error, message)
     vars(error).update(attributes)
+    error.replica_traceback = trace
+    return error
+
+
+def _raised(error):
+    """`error`, after printing the traceback of the process it came from, if it
+    was not a kdist error (only the cause's: the others fail after it)."""
+    if error.replica_traceback:
+        sys.stderr.write(error.replica_traceback)
     return error
