@@ -16,8 +16,9 @@ That share is:
 - with the compiled loss (`model.compute_loss`): what Keras computes, the
   mean over the batch it sees (reduction "sum_over_batch_size") plus the
   model's losses (regularizers, `add_loss`), times `share`: inside a
-  TensorFlow replica Keras itself divides both by the replica count; in a
-  torch process kdist does. So kdist equals `fit`.
+  TensorFlow replica Keras itself divides both by the replica count (the
+  engine passes `keras_share`); elsewhere the step does. So kdist equals
+  `fit`.
 - with your own loss (`compute_loss=fn`, `fn(model, x, y, training) ->
   (per-example losses, y_pred)`): kdist computes sum(sample weight x loss)
   / GLOBAL batch + share x the model's losses.
@@ -87,7 +88,7 @@ class Step:
         self.keys = LOSS_KEYS + tuple(metric_key(i) for i in range(len(self.metric_variables)))
 
     def loss_and_updates(self, trainable, non_trainable, batch, training, share=1.0,
-                         loss_scale=None):
+                         loss_scale=None, keras_share=1.0):
         """(loss to differentiate, (statistics, new non-trainable values)).
 
         `batch` is (x, y, sample_weight), every example real (evaluation
@@ -95,7 +96,10 @@ class Step:
         (None: all 1). `share` is the fraction of the global batch this
         program sees (1/replicas inside a TensorFlow replica, 1 on JAX).
         `loss_scale` (`loss_scale(optimizer)`, None: 1) multiplies the loss
-        to differentiate, not the statistics. The statistics' `skipped` is
+        to differentiate, not the statistics. `keras_share` is the share
+        that the compiled loss has already divided itself by: `share` inside
+        a tf.distribute replica (Keras' `scale_loss_for_distribution`), 1
+        elsewhere; the step applies the rest of `share`. The statistics' `skipped` is
         0: whether the optimizer skips the step is known only after the
         gradients are summed (`skipped`), so the engine sets it.
         """
@@ -112,11 +116,10 @@ class Step:
                 y_pred = model(x, training=training)
                 loss = model.compute_loss(x, y, y_pred, weight, training=training)
                 model_losses = _total(model.losses)
-                divided = _keras_share(share)
                 # Keras' mean over this batch, undone: the weighted sum it averages.
-                data_sum = (ops.cast(loss, "float32") / divided - model_losses) * rows
-                if divided != share:  # Keras did not divide by the replicas: kdist does.
-                    loss = ops.cast(loss, "float32") * (share / divided)
+                data_sum = (ops.cast(loss, "float32") / keras_share - model_losses) * rows
+                if keras_share != share:  # The share Keras did not apply.
+                    loss = ops.cast(loss, "float32") * (share / keras_share)
             else:
                 per_example, y_pred = self.compute_loss(model, x, y, training)
                 per_example = ops.cast(per_example, "float32")
@@ -168,15 +171,6 @@ class Step:
     def zero_statistics(self):
         """Statistics of a step that counts nothing (a skipped padding step)."""
         return {key: ops.zeros(shape, "float32") for key, shape in self.statistic_shapes().items()}
-
-
-def _keras_share(share):
-    """The share of the global batch Keras' `compute_loss` already divided its
-    loss by: `share` under a tf.distribute strategy (Keras'
-    `scale_loss_for_distribution`, the TensorFlow engine's replicas), else 1
-    (JAX sees the whole batch; a torch process is a replica Keras knows
-    nothing of, so kdist applies the share itself)."""
-    return share if keras.backend.backend() == "tensorflow" else 1.0
 
 
 def _total(losses):

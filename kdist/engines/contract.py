@@ -66,7 +66,9 @@ class Engine(Protocol):
 
         `optimizer` (None for evaluation only) must already be built. Each
         program calls `step.loss_and_updates` with the share of the global
-        batch it sees and, in training, the optimizer's current loss scale
+        batch it sees, the share Keras' compiled loss has already divided
+        itself by there (`keras_share`: only tf.distribute's replicas do),
+        and, in training, the optimizer's current loss scale
         (`kdist.step.loss_scale`; mixed_float16); the gradients of those
         losses are summed over the replicas before the optimizer sees them
         (so clipping and accumulation act on the global gradient, and a

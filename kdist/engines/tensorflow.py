@@ -140,7 +140,7 @@ class Engine:
                     [v.value for v in trainable],
                     [v.value + o if o is not None else v.value
                      for v, o in zip(non_trainable, offsets)], batch, True, share,
-                    loss_scale(optimizer))
+                    loss_scale(optimizer), keras_share=share)
             grads = tape.gradient(loss, [v.value for v in trainable])
             used = [i for i, g in enumerate(grads) if g is not None]
             summed = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in used])
@@ -155,7 +155,7 @@ class Engine:
         def replica_eval_step(batch):
             _, (stats, _) = step.loss_and_updates(
                 [v.value for v in evaluated], [v.value for v in non_trainable], batch,
-                False, share)
+                False, share, keras_share=share)
             return stats
 
         self._train_chunk = self._distributed(replica_train_step, step.keys)
