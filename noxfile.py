@@ -21,11 +21,6 @@ EXTRAS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch", "both": "a
 # pip takes it from this project's machines (a local file); elsewhere point pip at
 # https://download.pytorch.org/whl/cpu, or PyPI's Linux wheel brings several GB of CUDA.
 TORCH_CPU = "torch==2.13.0"
-# Tests that do not yet run on torch: they patch the loop in the test's process,
-# where on torch it runs in the replica processes.
-NOT_YET_ON_TORCH = [
-    "tests/test_cli.py::test_a_full_disk_under_the_metrics_file_is_one_line_after_the_checkpoint",
-]
 
 
 @nox.session
@@ -40,8 +35,6 @@ def tests(session, backend):
     else:
         env = {"KERAS_BACKEND": backend}
         args = ["-m", "not cross_backend"]
-        if backend == "torch":
-            args += [f"--deselect={test}" for test in NOT_YET_ON_TORCH]
     session.run("pytest", *args, *session.posargs, env=env)
 
 

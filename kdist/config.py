@@ -45,7 +45,7 @@ class TrainConfig:
               "model_fn, None: its optimizer has its own")
     replicas: int | None = _setting(
         None, "data-parallel replicas (default: every visible device; on a CPU-only machine "
-              "N splits the CPU into N devices)")
+              "N splits the CPU into N devices; on torch, N processes, which kdist starts)")
     checkpoint_dir: str = _setting("./training_checkpoints", "folder for checkpoints")
     checkpoint_every: int = _setting(2, "checkpoint every N epochs, and always after the last")
     keep: int = _setting(3, "checkpoints to keep")

@@ -154,14 +154,21 @@ def wait_for_training(process, tmp_path):
     pytest.fail("training did not start: " + process.communicate()[0])
 
 
-def test_sigterm_to_the_command_checkpoints_and_stops_every_process(tmp_path):
+@pytest.mark.parametrize("sig, every_process", [
+    (signal.SIGTERM, False),  # kill PID
+    (signal.SIGINT, False),  # Ctrl-C: the replica processes are in sessions of their own
+    (signal.SIGTERM, True),  # a scheduler ending a job, or pkill: every process at once
+])
+def test_a_stop_signal_checkpoints_and_stops_every_process(tmp_path, sig, every_process):
     process = start_training(tmp_path)
     replica_pids = wait_for_training(process, tmp_path)
-    process.send_signal(signal.SIGTERM)
+    for pid in [process.pid] + (replica_pids if every_process else []):
+        os.kill(pid, sig)
     output, _ = process.communicate(timeout=120)
-    assert process.returncode == 128 + signal.SIGTERM, output
-    assert "Saved checkpoint" in output and "SIGTERM" in output, output
-    assert os.listdir(tmp_path / "ckpt")
+    assert process.returncode == 128 + sig, output
+    assert output.count("Saved checkpoint") == 1 and sig.name in output, output
+    saved = os.listdir(tmp_path / "ckpt")
+    assert len(saved) == 1 and saved[0] in output, output
     assert not [p for p in replica_pids if alive(p)]
 
 
