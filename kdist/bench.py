@@ -8,7 +8,11 @@ result on the host, so asynchronous dispatch cannot flatter either side.
 Evaluation time is the second full pass over the test set (the first compiles).
 With several precisions (`kdist.precision`) each is measured in turn, kdist
 then fit, and gets one row of the table and one JSON line; peak memory is
-the process's, so a later row's includes the earlier ones'.
+the process's, so a later row's includes the earlier ones'. With several
+input kinds (`input_source`: the same arrays given directly, or through
+tf.data, a PyDataset or Grain) kdist is measured once per kind, one row
+each, and `fit` (which always takes the arrays) once per precision: the
+kinds compare in one process.
 
 `model` picks the network (`MODELS`): the tutorial CNN (also as "cnn-stock",
 with Keras' stock layers in place of `kdist.model`'s JAX formulations), or
@@ -157,11 +161,12 @@ def _time_twice(fn):
 
 def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_per_replica,
         steps=None, windows=BENCH_WINDOWS, steps_per_execution=TrainConfig.steps_per_execution,
-        log=print, *, precisions=(DEFAULT_PRECISION,), input_kind="numpy", model="cnn",
+        log=print, *, precisions=(DEFAULT_PRECISION,), input_kinds=("numpy",), model="cnn",
         fit=True, measure_peak=True, stop=None):
-    """Measures kdist then fit at each of `precisions`; logs a table with one row
-    per precision, then one JSON line each, and returns the summaries (a dict for
-    one precision, a list of them for several).
+    """Measures kdist fed by each of `input_kinds`, then fit, at each of
+    `precisions`; logs a table with one row per (precision, input kind), then
+    one JSON line each, and returns the summaries (a dict for one row, a list
+    of them for several).
 
     `model` names the network (`MODELS`) that `dataset` suits. `fit` False
     measures kdist alone, as do several workers (their fit figures are None).
@@ -178,7 +183,7 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
         arguments = dict(dataset=dataset, replicas=replicas,
                          batch_size_per_replica=batch_size_per_replica, steps=steps,
                          windows=windows, steps_per_execution=steps_per_execution,
-                         precisions=precisions, input_kind=input_kind, model=model, fit=fit,
+                         precisions=precisions, input_kinds=input_kinds, model=model, fit=fit,
                          measure_peak=measure_peak)
         return replica_processes.run(processes, run, arguments, log=log)
     engine = engines.create_engine(replicas)
@@ -193,20 +198,23 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
         f"{f' on {workers} workers' if workers > 1 else ''}, model {model}, global batch "
         f"{global_batch}, {steps} steps per epoch, 1 + {windows} epochs each, kdist "
         f"--steps-per-execution {steps_per_execution}, "
-        f"data {dataset.source}, kdist input {input_kind}")
+        f"data {dataset.source}, kdist input {', '.join(input_kinds)}")
     log(cpuinfo.format_record(cpu))
     rows, summaries = [], []
     for precision in precisions:
-        mine = measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
-                             precision, input_kind, model_fn=MODELS[model])
+        measured = [(kind, measure_kdist(engine, dataset, global_batch, steps, windows,
+                                         steps_per_execution, precision, kind,
+                                         model_fn=MODELS[model])) for kind in input_kinds]
         theirs = (measure_fit(engine, dataset, global_batch, steps, windows, precision,
                               model_fn=MODELS[model]) if fit else None)
-        rows.append((precision, mine, theirs))
-        summaries.append(dict(
-            model=model, backend=engine.backend, workers=workers,
-            replicas=engine.num_replicas, precision=precision, input=input_kind,
-            steps_per_execution=steps_per_execution, global_batch=global_batch, steps=steps,
-            **_figures(mine, theirs), **cpu))
+        for kind, mine in measured:
+            label = precision if len(input_kinds) == 1 else f"{precision} {kind}"
+            rows.append((label, mine, theirs))
+            summaries.append(dict(
+                model=model, backend=engine.backend, workers=workers,
+                replicas=engine.num_replicas, precision=precision, input=kind,
+                steps_per_execution=steps_per_execution, global_batch=global_batch,
+                steps=steps, **_figures(mine, theirs), **cpu))
     log(format_table(rows))
     for summary in summaries:
         log(json.dumps(summary))
@@ -247,7 +255,8 @@ _COLUMNS = (("kdist samples/s", "kdist", "samples_per_sec", "{:,.0f}"),
 
 
 def format_table(rows):
-    """One line per (precision, kdist's measurements, fit's): train samples/s
+    """One line per (row label: the precision, and the input kind where there
+    are several; kdist's measurements, fit's): train samples/s
     (median of the steady epochs) of both and their ratio, the first epoch
     (with compiling), a full test-set evaluation, and the peak memory; "-"
     for fit's where it is None (not measured)."""

@@ -46,15 +46,17 @@ def _seed(text):
     return int(text)
 
 
-def _precisions(text):
-    """Comma-separated precisions (`kdist.precision.PRECISIONS`), each once."""
-    names = [name.strip() for name in text.split(",")]
-    bad = [name for name in names if name not in config.PRECISIONS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"expected one or more of {', '.join(config.PRECISIONS)} separated by commas, "
-            f"got {text!r}")
-    return tuple(dict.fromkeys(names))
+def _names(choices):
+    """A parser of comma-separated names out of `choices`, each kept once, in order."""
+    def parse(text):
+        names = [name.strip() for name in text.split(",")]
+        if not names or any(name not in choices for name in names):
+            raise argparse.ArgumentTypeError(
+                f"expected one or more of {', '.join(choices)} separated by commas, "
+                f"got {text!r}")
+        return tuple(dict.fromkeys(names))
+
+    return parse
 
 
 _PARSERS = {"seed": _seed}  # Number fields that are not simply "greater than 0".
@@ -146,14 +148,14 @@ def _add_common(parser, checkpoints=True):
                         help="use generated data of Fashion-MNIST's shapes instead of "
                              "the data set (smoke runs)")
     parser.add_argument("--verbose", action="store_true",
-                        help="show TensorFlow/JAX start-up logs")
+                        help="show the framework's start-up logs (TensorFlow, JAX, torch)")
 
 
 def train_parser():
     parser = argparse.ArgumentParser(
         prog="train.py",
         description="Train the tutorial CNN on Fashion-MNIST, data-parallel, on the backend "
-                    "chosen by KERAS_BACKEND (tensorflow or jax); then restore the latest "
+                    "chosen by KERAS_BACKEND (tensorflow, jax or torch); then restore the latest "
                     "checkpoint without distribution and evaluate it.")
     add_config_flags(parser)
     parser.add_argument("--quiet", action="store_true",
@@ -175,12 +177,13 @@ def _add_multiworker(parser):
         "several workers", "Run this script once per worker, with the same --peers and each "
         "its own --worker-index (scripts/launch.py does so on one machine). Without these "
         "flags, TF_CONFIG (TensorFlow) or KERAS_DISTRIBUTION_JOB_ADDRESSES, "
-        "KERAS_DISTRIBUTION_NUM_PROCESSES and KERAS_DISTRIBUTION_PROCESS_ID (JAX) are read. "
-        "--replicas then counts this worker's devices.")
+        "KERAS_DISTRIBUTION_NUM_PROCESSES and KERAS_DISTRIBUTION_PROCESS_ID (JAX), or torchrun's "
+        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torch) are read. "
+        "--replicas then counts this worker's devices (on torch a worker is one replica).")
     group.add_argument("--peers", default=None, metavar="HOST:PORT[,HOST:PORT...]",
                        help="every worker's address, in worker order; worker 0 is the chief "
-                            "(it alone writes checkpoints and metrics) and JAX's "
-                            "coordinator. JAX needs only worker 0's address")
+                            "(it alone writes checkpoints and metrics) and the coordinator "
+                            "of JAX and torch, which need only worker 0's address")
     group.add_argument("--workers", type=_positive(int), default=None,
                        help="number of workers (default: the number of --peers)")
     group.add_argument("--worker-index", type=int, default=None,
@@ -314,7 +317,7 @@ def bench_main(argv=None):
     parser.add_argument("--windows", type=_positive(int), default=config.BENCH_WINDOWS,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
-    parser.add_argument("--precision", type=_precisions, default=(config.DEFAULT_PRECISION,),
+    parser.add_argument("--precision", type=_names(config.PRECISIONS), default=(config.DEFAULT_PRECISION,),
                         metavar="P[,P...]",
                         help="the dtype policies to measure, each one table row: "
                              f"{', '.join(config.PRECISIONS)}, or several separated by "
@@ -333,10 +336,12 @@ def _add_bench_choices(parser):
                              "gain); or ResNet-20 on synthetic 32x32x3 images of 10 classes "
                              "(--data-dir and --synthetic apply to the CNNs only) "
                              "(default: %(default)s)")
-    parser.add_argument("--input", choices=config.BENCH_INPUTS,
-                        default="numpy", help="how kdist is fed the same arrays: directly, or "
-                        "through tf.data, a PyDataset or Grain; fit always takes the arrays "
-                        "(default: %(default)s)")
+    parser.add_argument("--input", type=_names(config.BENCH_INPUTS), default=("numpy",),
+                        metavar="I[,I...]",
+                        help="how kdist is fed the same arrays, each one table row: directly "
+                        f"or through tf.data, a PyDataset or Grain ({', '.join(config.BENCH_INPUTS)}"
+                        "), or several separated by commas, measured in turn in this process; "
+                        "fit always takes the arrays (default: numpy)")
     parser.add_argument("--no-fit", dest="fit", action="store_false",
                         help="measure kdist only, not Keras fit (several workers never "
                              "measure fit)")
@@ -346,10 +351,11 @@ def _add_bench_choices(parser):
 
 
 def _bench(args):
-    needs = {"tfdata": "tensorflow", "grain": "grain"}.get(args.input)
-    if needs and importlib.util.find_spec(needs) is None:
-        raise errors.UsageError(f"--input {args.input} needs {needs}, not installed: "
-                                f"pip install kdist[{needs}]")
+    for kind in args.input:
+        needs = {"tfdata": "tensorflow", "grain": "grain"}.get(kind)
+        if needs and importlib.util.find_spec(needs) is None:
+            raise errors.UsageError(f"--input {kind} needs {needs}, not installed: "
+                                    f"pip install kdist[{needs}]")
     spec = _cluster_spec(args)
     _start(args, args.replicas)
     _connect(spec, args.replicas)
@@ -358,5 +364,5 @@ def _bench(args):
     dataset = resnet.synthetic_cifar() if args.model == "resnet20" else load_data(args)
     bench.run(dataset, args.replicas, args.batch_size_per_replica, args.steps,
               args.windows, args.steps_per_execution, log=_log, precisions=args.precision,
-              model=args.model, fit=args.fit, measure_peak=args.peak, input_kind=args.input)
+              model=args.model, fit=args.fit, measure_peak=args.peak, input_kinds=args.input)
     return 0

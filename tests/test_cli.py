@@ -183,6 +183,21 @@ def test_bench_runs_briefly_and_ends_with_its_json_line():
     assert low - 0.0005 <= summary["ratio"] <= high + 0.0005
 
 
+def test_bench_measures_several_input_kinds_in_one_process():
+    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic", "--no-fit",
+                    "--no-peak", "--batch-size-per-replica", "8", "--steps", "3",
+                    "--windows", "1", "--input", "pydataset,numpy,pydataset")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].endswith("kdist input pydataset, numpy")
+    assert [line.split()[:2] for line in lines[3:5]] == [["float32", "pydataset"],
+                                                         ["float32", "numpy"]]
+    summaries = [json.loads(line) for line in lines[-2:]]
+    assert [s["input"] for s in summaries] == ["pydataset", "numpy"]
+    assert all(s["kdist_samples_per_sec"] > 0 and s["fit_samples_per_sec"] is None
+               for s in summaries)
+
+
 def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
     folder = str(tmp_path / "ckpt")
     # Long enough that the first run still trains when the second one starts.
@@ -283,7 +298,9 @@ def test_a_full_disk_under_the_metrics_file_is_one_line_after_the_checkpoint(
     # The run's rewrite at start would replace the link; the appends then hit the full disk.
     monkeypatch.setattr(reporting.MetricsWriter, "start", lambda self, history: None)
     os.symlink("/dev/full", tmp_path / "m.jsonl")
-    code = cli.main(SMALL + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
+    # SEVERAL: on torch, replicas beyond one are processes, which the patch does not reach.
+    small = ["--synthetic", "--batch-size-per-replica", "16", "--replicas", str(SEVERAL)]
+    code = cli.main(small + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
                              str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
     err = capsys.readouterr().err
     assert code == 1

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from keras import ops
 
-from kdist import checkpoints, cli, data, engines, reporting, steps, training
+from kdist import checkpoints, cli, config, data, engines, reporting, steps, training
 from kdist.bench import format_table
 from kdist.errors import UsageError
 from kdist.model import create_model
@@ -171,9 +171,10 @@ def test_precision_is_checked_as_a_setting_and_a_flag(tmp_path):
     assert cli.train_parser().parse_args([]).precision == "float32"
     with pytest.raises(SystemExit):
         cli.train_parser().parse_args(["--precision", "bfloat16"])
-    assert cli._precisions("float32,mixed_bfloat16,float32") == ("float32", "mixed_bfloat16")
+    bench_flag = cli._names(config.PRECISIONS)  # kdist-bench --precision
+    assert bench_flag("float32,mixed_bfloat16,float32") == ("float32", "mixed_bfloat16")
     with pytest.raises(Exception, match="expected one or more of"):
-        cli._precisions("float32,fp8")
+        bench_flag("float32,fp8")
 
 
 # N replicas against 1.
