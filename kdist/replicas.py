@@ -13,9 +13,10 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   `connect`), runs the function with the same arguments and sends its
   outcome back through a pipe; the chief's log lines go to the caller's
   `log` as they come;
-- a stop request in the parent (`stop`, a signal, Ctrl-C) becomes SIGTERM
-  to every process: they agree on a step, the chief checkpoints, and the
-  parent raises the chief's `Interrupted`;
+- a stop request in the parent (`stop`, a signal, Ctrl-C) becomes the same
+  signal (SIGTERM for a stop no signal asked for) to every process: they
+  agree on a step, the chief checkpoints, and the parent raises the chief's
+  `Interrupted`, which names that signal;
 - a process that fails makes the parent stop the others (a process left
   alone would wait in its next all-reduce) and raise that failure; a parent
   killed outright leaves processes that stop as on SIGTERM
@@ -137,13 +138,13 @@ def _supervise(processes, pipes, log, stop):
             if not open_pipes:
                 time.sleep(0.05)
             if stop and not forwarded:
-                forwarded = _terminate(processes)
+                forwarded = _terminate(processes, getattr(stop, "signal_name", None))
             if failed_at is None and _failed(processes, reported):
                 failed_at = time.monotonic()
             if failed_at is not None and time.monotonic() - failed_at > GRACE_SECONDS:
                 break  # The others wait in a collective for the failed one.
     except KeyboardInterrupt:
-        _terminate(processes)  # Every process checkpoints and stops; then report.
+        _terminate(processes, "SIGINT")  # Every process checkpoints and stops; then report.
         return _supervise(processes, pipes, log, stop=None)
     return _outcome(processes, reported)
 
@@ -176,10 +177,11 @@ def _outcome(processes, reported):
                         "of a failure; stopped them")
 
 
-def _terminate(processes):
+def _terminate(processes, signal_name=None):
+    """Sends every running process `signal_name` (None: SIGTERM)."""
     for process in processes:
         if process.poll() is None:
-            process.terminate()
+            process.send_signal(getattr(signal, signal_name or "SIGTERM"))
     return True
 
 
