@@ -263,7 +263,7 @@ def main(argv=None):
 
 def _train(args):
     stop = kdist.StopRequest()
-    launch.follow_launcher(stop)  # Under kdist-launch: stop when it is gone.
+    supervised = launch.follow_launcher(stop)  # Under kdist-launch: stop when it is gone.
     spec = _cluster_spec(args)
     _check_paths(args)
     _start(args, args.replicas)
@@ -272,7 +272,7 @@ def _train(args):
         args, progress=sys.stdout.isatty() and not args.quiet and spec.is_chief)
     # From here a signal is a stop request that every worker agrees on: a
     # worker that exited alone would leave the others waiting in a step.
-    with kdist.stop_on_signals(stop):
+    with kdist.stop_on_signals(stop, escalate=not supervised):
         dataset = load_data(args)
         kdist.train_and_evaluate(run_config, dataset, log=_log, stop=stop,
                                  optimizer_fn=config.OPTIMIZERS[args.optimizer])

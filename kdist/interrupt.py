@@ -32,16 +32,26 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop):
+def stop_on_signals(stop, escalate=True):
     """Routes SIGINT, SIGTERM and SIGHUP (a closed terminal) to `stop` for the
-    duration of the block."""
+    duration of the block.
+
+    With `escalate`, a second signal ends the process at once (SIGINT raises
+    KeyboardInterrupt). A process that a kdist parent supervises (a launcher's
+    worker, a replica process) passes False: its parent forwards a stop once
+    and ends it if need be, so a signal that reaches every process at once
+    (a job scheduler, `pkill`) followed by the parent's must not count twice.
+    """
     signals = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     previous = {s: signal.getsignal(s) for s in signals}
 
     def handler(signum, frame):
-        stop.request(signal.Signals(signum).name)
-        for s in signals:
-            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
+        if not stop:  # The first signal names the stop.
+            stop.request(signal.Signals(signum).name)
+        if escalate:
+            for s in signals:
+                signal.signal(s, signal.default_int_handler if s == signal.SIGINT
+                              else signal.SIG_DFL)
 
     for s in signals:
         signal.signal(s, handler)

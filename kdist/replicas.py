@@ -119,9 +119,9 @@ def _start(spec, payload):
     return process, connection.Connection(read, writable=False)
 
 
-def _supervise(processes, pipes, log, stop):
+def _supervise(processes, pipes, log, stop, forwarded=False):
     reported, open_pipes = {}, dict(enumerate(pipes))
-    forwarded, failed_at = False, None
+    failed_at = None
     try:
         while open_pipes or any(p.poll() is None for p in processes):
             for pipe in connection.wait(list(open_pipes.values()), timeout=0.05):
@@ -144,8 +144,10 @@ def _supervise(processes, pipes, log, stop):
             if failed_at is not None and time.monotonic() - failed_at > GRACE_SECONDS:
                 break  # The others wait in a collective for the failed one.
     except KeyboardInterrupt:
+        if forwarded:  # A second Ctrl-C: `run` kills them (checkpoint writes are atomic).
+            raise
         _terminate(processes, "SIGINT")  # Every process checkpoints and stops; then report.
-        return _supervise(processes, pipes, log, stop=None)
+        return _supervise(processes, pipes, log, stop=None, forwarded=True)
     return _outcome(processes, reported)
 
 
@@ -199,7 +201,7 @@ def replica_main():
                                source=f"{workers} local replica processes")
     pipe = connection.Connection(int(fd), readable=False)
     stop = interrupt.StopRequest()
-    launch.follow_launcher(stop)
+    launch.follow_launcher(stop)  # The parent: gone, it cannot stop this process.
     chief = spec.worker_index == 0
 
     def log(line):
@@ -207,7 +209,7 @@ def replica_main():
             pipe.send(("log", line))
 
     try:
-        with interrupt.stop_on_signals(stop):
+        with interrupt.stop_on_signals(stop, escalate=False):  # `run` ends it if need be.
             with open(payload, "rb") as f:
                 sys.path[:] = pickle.load(f)
                 warnings.showwarning = pickle.load(f)
