@@ -10,9 +10,10 @@ With several precisions (`kdist.precision`) each is measured in turn, kdist
 then fit, and gets one row of the table and one JSON line; peak memory is
 the process's, so a later row's includes the earlier ones'. With several
 input kinds (`input_source`: the same arrays given directly, or through
-tf.data, a PyDataset or Grain) kdist is measured once per kind, one row
-each, and `fit` (which always takes the arrays) once per precision: the
-kinds compare in one process.
+tf.data, a PyDataset or Grain) one kdist model takes them in turn, epoch by
+epoch, one row each, and `fit` (which always takes the arrays) is measured
+once per precision: the kinds compare in one process, under the same
+conditions.
 
 `model` picks the network (`MODELS`): the tutorial CNN (also as "cnn-stock",
 with Keras' stock layers in place of `kdist.model`'s JAX formulations), or
@@ -67,8 +68,14 @@ def input_source(kind, arrays, global_batch, split):
     if kind == "tfdata":
         import tensorflow as tf
 
-        given = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=0)
-                 .batch(global_batch).prefetch(tf.data.AUTOTUNE))
+        # Shuffled indices, each batch gathered whole: the pipeline does the NumPy
+        # path's work, so the comparison weighs how kdist takes it. (Shuffling the
+        # examples one by one through a buffer, as the tutorial does, adds the
+        # pipeline's own per-example cost, for fit as for kdist.)
+        images, labels = tf.constant(x), tf.constant(y)
+        given = (tf.data.Dataset.range(len(x)).shuffle(len(x), seed=0).batch(global_batch)
+                 .map(lambda rows: (tf.gather(images, rows), tf.gather(labels, rows)))
+                 .prefetch(tf.data.AUTOTUNE))
     elif kind == "pydataset":
         given = _Rows(x, y, global_batch)
     else:
@@ -95,26 +102,35 @@ class _Rows(keras.utils.PyDataset):
 
 
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
-                  precision=DEFAULT_PRECISION, input_kind="numpy", *, model_fn=create_model):
+                  precision=DEFAULT_PRECISION, input_kinds=("numpy",), *,
+                  model_fn=create_model):
+    """{input kind: kdist's figures fed by it}. One model, compiled once; the
+    kinds take turns epoch by epoch (1 + `windows` epochs each), so a change
+    of the machine's speed during the run falls on every kind alike. The
+    compilation falls in the first kind's first epoch."""
     keras.utils.set_random_seed(0)
-    train, test = (input_source(input_kind, dataset.split(split), global_batch,
-                                split) for split in ("train", "test"))
+    sources = {kind: [input_source(kind, dataset.split(split), global_batch, split)
+                      for split in ("train", "test")] for kind in input_kinds}
     model, step = training.prepare_model(engine, global_batch,
                                          training.sample_rows(dataset), model_fn,
                                          precision=precision)
     engine.compile_steps(step, model.optimizer)
-    seconds = []
+    seconds = {kind: [] for kind in input_kinds}
     for epoch in range(1 + windows):
-        start = time.perf_counter()
-        batches = train.train(global_batch, seed=0, epoch=epoch, limit=steps,
-                              shard=engine.shard)
-        run_steps(engine, engine.train_chunk, batches, zero_totals(step),  # Ends on the host.
-                  steps_per_execution=steps_per_execution)
-        seconds.append(time.perf_counter() - start)
-    evaluate_seconds = _time_twice(lambda: evaluate_source(
-        engine, step, test, global_batch, steps_per_execution))
-    return dict(summarize_epochs(seconds, steps * global_batch),
-                eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
+        for kind, (train, _) in sources.items():
+            start = time.perf_counter()
+            batches = train.train(global_batch, seed=0, epoch=epoch, limit=steps,
+                                  shard=engine.shard)
+            run_steps(engine, engine.train_chunk, batches, zero_totals(step),  # Ends on the host.
+                      steps_per_execution=steps_per_execution)
+            seconds[kind].append(time.perf_counter() - start)
+    figures = {}
+    for kind, (_, test) in sources.items():
+        evaluate_seconds = _time_twice(lambda: evaluate_source(
+            engine, step, test, global_batch, steps_per_execution))
+        figures[kind] = dict(summarize_epochs(seconds[kind], steps * global_batch),
+                             eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
+    return figures
 
 
 class _EpochTimes(keras.callbacks.Callback):
@@ -202,12 +218,12 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
     log(cpuinfo.format_record(cpu))
     rows, summaries = [], []
     for precision in precisions:
-        measured = [(kind, measure_kdist(engine, dataset, global_batch, steps, windows,
-                                         steps_per_execution, precision, kind,
-                                         model_fn=MODELS[model])) for kind in input_kinds]
+        measured = measure_kdist(engine, dataset, global_batch, steps, windows,
+                                 steps_per_execution, precision, input_kinds,
+                                 model_fn=MODELS[model])
         theirs = (measure_fit(engine, dataset, global_batch, steps, windows, precision,
                               model_fn=MODELS[model]) if fit else None)
-        for kind, mine in measured:
+        for kind, mine in measured.items():
             label = precision if len(input_kinds) == 1 else f"{precision} {kind}"
             rows.append((label, mine, theirs))
             summaries.append(dict(
