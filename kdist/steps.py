@@ -40,8 +40,9 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
     Batches go to the engine in chunks of `steps_per_execution`, one compiled
     call each (a short last chunk is padded with copies of its last batch
     that the engine skips, so every call has the same shapes); the next
-    chunk is read and stacked on a background thread while the current one
-    runs (`kdist.prefetch`). Statistics come back once per chunk and are
+    chunk is read, stacked and placed on the replicas (`engine.distribute`)
+    on a background thread while the current one runs (`kdist.prefetch`),
+    so this thread only dispatches the calls. Statistics come back once per chunk and are
     then accounted step by step (`on_step(steps done, step stats, totals,
     last step of its chunk)`). After each chunk `should_stop()` is called,
     on every worker at the same point; when it returns true, no further
@@ -49,11 +50,11 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
     """
     totals = {k: np.array(v, np.float64) for k, v in totals.items()}
     done = 0
-    chunks = prefetch.Prefetched(_stacked_chunks(engine, batches, steps_per_execution))
+    chunks = prefetch.Prefetched((engine.distribute(padded), count) for padded, count
+                                 in _stacked_chunks(engine, batches, steps_per_execution))
     try:
-        for padded, count in chunks:
-            per_step = {k: np.asarray(v) for k, v in
-                        step_fn(engine.distribute(padded), count).items()}
+        for chunk, count in chunks:
+            per_step = {k: np.asarray(v) for k, v in step_fn(chunk, count).items()}
             for i in range(count):
                 stats = {k: v[i] for k, v in per_step.items()}
                 for key in totals:

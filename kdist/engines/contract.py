@@ -78,7 +78,10 @@ class Engine(Protocol):
 
     def distribute(self, stacked: tuple) -> Any:
         """Places a stacked chunk, a structure of NumPy arrays of shape (K, local
-        batch, ...), on this process's replicas, split along the batch axis."""
+        batch, ...), on this process's replicas, split along the batch axis.
+
+        Called on the loop's background thread (`kdist.prefetch`), one chunk
+        ahead, while a compiled call runs: it must not run a collective."""
 
     def train_chunk(self, chunk: Any, num_steps: int) -> dict:
         """Runs the first `num_steps` optimizer steps of a distributed chunk in
