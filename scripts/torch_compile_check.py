@@ -7,7 +7,8 @@
 forward pass under `torch.compile` (AOTAutograd compiles the backward);
 `fit` and `fitjit` Keras' own `fit`, without and with `jit_compile=True`.
 One process, the tutorial CNN, batches of 64 random images; prints the time
-of the first 10 steps and the samples/s of two passes of STEPS steps.
+of the first 10 steps and the samples/s of two passes of STEPS steps
+(default 150).
 Results: docs/performance.md.
 """
 
@@ -65,10 +66,10 @@ def time_step(model, x, y, compiled):
         with torch.no_grad():
             model.optimizer.apply(grads, trainable)
 
-    start = time.perf_counter()
-    for k in range(10):
+    start, first = time.perf_counter(), min(10, len(x) // BATCH)
+    for k in range(first):
         one(k)
-    print(f"first 10 steps: {time.perf_counter() - start:.2f} s")
+    print(f"first {first} steps: {time.perf_counter() - start:.2f} s")
     for attempt in range(2):
         start = time.perf_counter()
         for k in range(len(x) // BATCH):
