@@ -50,7 +50,7 @@ def _names(choices):
     """A parser of comma-separated names out of `choices`, each kept once, in order."""
     def parse(text):
         names = [name.strip() for name in text.split(",")]
-        if not names or any(name not in choices for name in names):
+        if any(name not in choices for name in names):
             raise argparse.ArgumentTypeError(
                 f"expected one or more of {', '.join(choices)} separated by commas, "
                 f"got {text!r}")
@@ -317,8 +317,8 @@ def bench_main(argv=None):
     parser.add_argument("--windows", type=_positive(int), default=config.BENCH_WINDOWS,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
-    parser.add_argument("--precision", type=_names(config.PRECISIONS), default=(config.DEFAULT_PRECISION,),
-                        metavar="P[,P...]",
+    parser.add_argument("--precision", type=_names(config.PRECISIONS),
+                        default=(config.DEFAULT_PRECISION,), metavar="P[,P...]",
                         help="the dtype policies to measure, each one table row: "
                              f"{', '.join(config.PRECISIONS)}, or several separated by "
                              "commas (default: float32)")
@@ -338,10 +338,11 @@ def _add_bench_choices(parser):
                              "(default: %(default)s)")
     parser.add_argument("--input", type=_names(config.BENCH_INPUTS), default=("numpy",),
                         metavar="I[,I...]",
-                        help="how kdist is fed the same arrays, each one table row: directly "
-                        f"or through tf.data, a PyDataset or Grain ({', '.join(config.BENCH_INPUTS)}"
-                        "), or several separated by commas, measured in turn in this process; "
-                        "fit always takes the arrays (default: numpy)")
+                        help="how kdist is fed the same arrays, each one table row: "
+                        "directly or through tf.data, a PyDataset or Grain "
+                        f"({', '.join(config.BENCH_INPUTS)}), or several separated by "
+                        "commas, measured in turn in this process; fit always takes the "
+                        "arrays (default: numpy)")
     parser.add_argument("--no-fit", dest="fit", action="store_false",
                         help="measure kdist only, not Keras fit (several workers never "
                              "measure fit)")
