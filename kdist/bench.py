@@ -32,6 +32,7 @@ import statistics
 import time
 
 import keras
+import numpy as np
 
 from kdist import cpuinfo, data, engines, inputs, resnet, training
 from kdist import replicas as replica_processes
@@ -61,44 +62,58 @@ def summarize_epochs(seconds, samples_per_epoch):
 def input_source(kind, arrays, global_batch, split):
     """The kdist source (`kdist.inputs`) of split `split`'s arrays (x, y,
     sample_weight) given as `kind` (one of `kdist.config.BENCH_INPUTS`), in batches of
-    `global_batch`."""
+    `global_batch`.
+
+    Every pipeline does per batch what the NumPy path does: it gathers the
+    batch's rows, a fixed random set of `global_batch` rows (the last batch
+    holds the rest), and shuffles the order of the batches each epoch
+    (tf.data's and Grain's own shuffle; kdist's for a PyDataset). So the
+    comparison weighs how kdist takes each kind. A shuffle of single examples
+    (the tutorial's `shuffle(buffer)` before `batch`, Grain's `shuffle` before
+    `batch`) adds the pipeline's own cost per example, for `fit` as for kdist
+    (docs/performance.md, "Input pipelines").
+    """
     x, y, weights = arrays
     if kind == "numpy":
         return inputs.ArraySource(x, y, weights, f"the {split} data")
+    order = np.random.default_rng(0).permutation(len(x))
+    full, batches = len(x) // global_batch, -(-len(x) // global_batch)
+
+    def rows(batch):
+        return order[batch * global_batch:(batch + 1) * global_batch]
+
     if kind == "tfdata":
         import tensorflow as tf
 
-        # Shuffled indices, each batch gathered whole: the pipeline does the NumPy
-        # path's work, so the comparison weighs how kdist takes it. (Shuffling the
-        # examples one by one through a buffer, as the tutorial does, adds the
-        # pipeline's own per-example cost, for fit as for kdist.)
-        images, labels = tf.constant(x), tf.constant(y)
-        given = (tf.data.Dataset.range(len(x)).shuffle(len(x), seed=0).batch(global_batch)
-                 .map(lambda rows: (tf.gather(images, rows), tf.gather(labels, rows)))
+        images, labels, order = tf.constant(x), tf.constant(y), tf.constant(order)
+        given = (tf.data.Dataset.range(full).shuffle(full, seed=0)
+                 .concatenate(tf.data.Dataset.range(full, batches))
+                 .map(lambda batch: (tf.gather(images, rows(batch)),
+                                     tf.gather(labels, rows(batch))))
                  .prefetch(tf.data.AUTOTUNE))
     elif kind == "pydataset":
-        given = _Rows(x, y, global_batch)
+        given = _Batches(batches, lambda batch: (x[rows(batch)], y[rows(batch)]))
     else:
         import grain
 
-        given = (grain.MapDataset.range(len(x)).shuffle(seed=0).batch(global_batch)
-                 .map(lambda rows: (x[rows], y[rows])))
+        given = grain.MapDataset.concatenate([grain.MapDataset.range(full).shuffle(seed=0),
+                                              grain.MapDataset.range(full, batches)])
+        given = given.map(lambda batch: (x[rows(batch)], y[rows(batch)]))
     return inputs.source_for(given, split)
 
 
-class _Rows(keras.utils.PyDataset):
-    """Batches of `size` rows of (x, y)."""
+class _Batches(keras.utils.PyDataset):
+    """`count` batches, batch `index` being `get(index)`."""
 
-    def __init__(self, x, y, size):
+    def __init__(self, count, get):
         super().__init__()
-        self.x, self.y, self.size = x, y, size
+        self.count, self.get = count, get
 
     def __len__(self):
-        return -(-len(self.x) // self.size)
+        return self.count
 
     def __getitem__(self, index):
-        rows = slice(index * self.size, (index + 1) * self.size)
-        return self.x[rows], self.y[rows]
+        return self.get(index)
 
 
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
