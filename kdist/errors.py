@@ -12,6 +12,7 @@ the modules that raise them (`kdist.startup.UsageError`, `kdist.data.DataError`,
 
     KdistError
     ├── UsageError         a flag or setting to change (the CLI: exit status 2)
+    │   └── ReplicaPerProcess  several replicas asked of one torch process
     ├── DataError          the data set is missing, incomplete or corrupt
     ├── CheckpointError    a checkpoint cannot be written, read or used
     │   ├── InvalidCheckpoint  a file that is not a valid kdist checkpoint
@@ -32,6 +33,11 @@ class UsageError(KdistError, ValueError):
 
     The command line reports it like argparse does: one line, exit status 2.
     """
+
+
+class ReplicaPerProcess(UsageError):
+    """Several replicas asked of one process of an engine that runs one replica
+    per process (torch): the loop or a launcher starts the processes."""
 
 
 class DataError(KdistError, RuntimeError):

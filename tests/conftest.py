@@ -36,7 +36,7 @@ elif keras.backend.backend() == "jax":  # JAX starts its backend, with NUM_DEVIC
     assert len(jax.devices()) == NUM_DEVICES
 # torch: one process per replica (`kdist.replicas`), no devices to set.
 
-from kdist import data  # noqa: E402
+from kdist import data, errors  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,13 +71,11 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(folder)], check=True)
 
 
-IN_PROCESS_REPLICAS = "on torch each replica is a process"
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    """On torch, a test that asks one process for several replicas is skipped, with
-    the engine's own refusal as the reason: torch has no in-process replicas, and
+    """On torch, a test that asks one process for several replicas is skipped, on
+    the engine's own refusal (`kdist.errors.ReplicaPerProcess`, whose message is
+    the reason): torch has no in-process replicas, and
     tests/test_torch.py proves the same math with one process per replica."""
     _skip_in_process_replicas((yield))
 
@@ -90,7 +88,6 @@ def pytest_runtest_setup(item):
 
 def _skip_in_process_replicas(outcome):
     error = outcome.excinfo[1] if outcome.excinfo else None
-    if keras.backend.backend() == "torch" and IN_PROCESS_REPLICAS in str(error or ""):
+    if isinstance(error, errors.ReplicaPerProcess):
         outcome.force_exception(pytest.skip.Exception(
-            f"in-process replicas: {IN_PROCESS_REPLICAS} (tests/test_torch.py)",
-            _use_item_location=True))
+            f"in-process replicas: {error} (tests/test_torch.py)", _use_item_location=True))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kdist import launch
 from kdist.data import map_arrays as _map_arrays
-from kdist.errors import UsageError
+from kdist.errors import ReplicaPerProcess, UsageError
 from kdist.step import ema_variables, loss_scale, skipped
 
 # The loop starts one process per replica for this engine (`kdist.replicas`).
@@ -91,7 +91,7 @@ class Engine:
         world = dist.get_world_size() if grouped else 1
         # With a group, `replicas` may also count this worker's own: one.
         if replicas not in (None, world) and not (grouped and replicas == 1):
-            raise UsageError(
+            raise ReplicaPerProcess(
                 f"--replicas {replicas} but this torch process group has {world} process(es); "
                 "on torch each replica is a process: kdist-train and train_and_evaluate start "
                 "them for one machine, torchrun or kdist-launch for several")
