@@ -34,7 +34,7 @@ import time
 import keras
 import numpy as np
 
-from kdist import cpuinfo, data, engines, inputs, resnet, training
+from kdist import building, cpuinfo, data, engines, inputs, resnet
 from kdist import replicas as replica_processes
 from kdist.steps import evaluate_source, run_steps, zero_totals
 from kdist.config import BENCH_WINDOWS, TrainConfig
@@ -126,8 +126,8 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
     keras.utils.set_random_seed(0)
     sources = {kind: [input_source(kind, dataset.split(split), global_batch, split)
                       for split in ("train", "test")] for kind in input_kinds}
-    model, step = training.prepare_model(engine, global_batch,
-                                         training.sample_rows(dataset), model_fn,
+    model, step = building.prepare_model(engine, global_batch,
+                                         building.sample_rows(dataset), model_fn,
                                          precision=precision)
     engine.compile_steps(step, model.optimizer)
     seconds = {kind: [] for kind in input_kinds}

@@ -1,95 +1,21 @@
 """Command line of scripts/train.py, scripts/evaluate.py and scripts/bench.py.
 
-The train flags are derived from `kdist.TrainConfig`'s fields (their help is
-in the fields' metadata, see `kdist.config`). Every main maps kdist's errors
-to exit statuses in one place, `_run`.
+The train flags come from `kdist.TrainConfig`'s fields (`kdist.flags`).
+Every main maps kdist's errors to exit statuses in one place, `_run`.
 """
 
 import argparse
 import functools
 import importlib
 import importlib.util
-import math
 import os
 import signal
 import sys
-import typing
 import warnings
 
 import kdist
 from kdist import checks, cluster, config, errors, interrupt, launch, startup
-
-
-def _positive(kind):
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-def _seed(text):
-    try:
-        checks.check_seed(int(text), name="the seed")
-    except ValueError as e:  # Not a whole number, or a UsageError (a ValueError too).
-        low, high = checks.SEED_RANGE
-        raise argparse.ArgumentTypeError(
-            f"expected a whole number in {low}..{high}, got {text!r}") from e
-    return int(text)
-
-
-def _names(choices):
-    """A parser of comma-separated names out of `choices`, each kept once, in order."""
-    def parse(text):
-        names = [name.strip() for name in text.split(",")]
-        if any(name not in choices for name in names):
-            raise argparse.ArgumentTypeError(
-                f"expected one or more of {', '.join(choices)} separated by commas, "
-                f"got {text!r}")
-        return tuple(dict.fromkeys(names))
-
-    return parse
-
-
-_PARSERS = {"seed": _seed}  # Number fields that are not simply "greater than 0".
-
-
-def _config_argument(field):
-    """(flag, add_argument keywords) of a `TrainConfig` field."""
-    kind = next(t for t in typing.get_args(field.type) + (field.type,) if t is not type(None))
-    help = field.metadata["help"]
-    if field.default is not None and kind is not bool and "(default" not in help:
-        help += " (default: %(default)s)"
-    keywords = dict(dest=field.name, default=field.default, help=help)
-    if "choices" in field.metadata:
-        keywords["choices"] = field.metadata["choices"]
-    if kind is bool:
-        keywords["action"] = "store_false" if field.default else "store_true"
-    elif kind in (int, float):
-        keywords["type"] = _PARSERS.get(field.name) or _positive(kind)
-    return config.flag_name(field), keywords
-
-
-def add_config_flags(parser, names=None):
-    """Adds the flags of `TrainConfig`'s fields `names` (default: every field with a flag)."""
-    for field in config.flag_fields():
-        if names is None or field.name in names:
-            flag, keywords = _config_argument(field)
-            parser.add_argument(flag, **keywords)
-
-
-def config_from_args(args, **fields):
-    """The `TrainConfig` of parsed train flags; `fields` sets those without a flag."""
-    values = {f.name: getattr(args, f.name) for f in config.flag_fields()}
-    return kdist.TrainConfig(**values, **fields)
+from kdist.flags import add_config_flags, config_from_args, names, positive
 
 
 def _usage(parser, error):
@@ -184,11 +110,11 @@ def _add_multiworker(parser):
                        help="every worker's address, in worker order; worker 0 is the chief "
                             "(it alone writes checkpoints and metrics) and the coordinator "
                             "of JAX and torch, which need only worker 0's address")
-    group.add_argument("--workers", type=_positive(int), default=None,
+    group.add_argument("--workers", type=positive(int), default=None,
                        help="number of workers (default: the number of --peers)")
     group.add_argument("--worker-index", type=int, default=None,
                        help="this worker's place in --peers, from 0")
-    group.add_argument("--connect-timeout", type=_positive(float), default=120.0,
+    group.add_argument("--connect-timeout", type=positive(float), default=120.0,
                        help="seconds to wait for every worker to join before exiting with "
                             "an error (default: %(default)s)")
 
@@ -312,12 +238,12 @@ def bench_main(argv=None):
                     "by KERAS_BACKEND: same model, data, batch and devices, one process. "
                     "Prints a table, then one JSON line.")
     add_config_flags(parser, ["batch_size_per_replica", "replicas", "steps_per_execution"])
-    parser.add_argument("--steps", type=_positive(int), default=None,
+    parser.add_argument("--steps", type=positive(int), default=None,
                         help="steps per timed epoch (default: a whole epoch)")
-    parser.add_argument("--windows", type=_positive(int), default=config.BENCH_WINDOWS,
+    parser.add_argument("--windows", type=positive(int), default=config.BENCH_WINDOWS,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
-    parser.add_argument("--precision", type=_names(config.PRECISIONS),
+    parser.add_argument("--precision", type=names(config.PRECISIONS),
                         default=(config.DEFAULT_PRECISION,), metavar="P[,P...]",
                         help="the dtype policies to measure, each one table row: "
                              f"{', '.join(config.PRECISIONS)}, or several separated by "
@@ -336,7 +262,7 @@ def _add_bench_choices(parser):
                              "gain); or ResNet-20 on synthetic 32x32x3 images of 10 classes "
                              "(--data-dir and --synthetic apply to the CNNs only) "
                              "(default: %(default)s)")
-    parser.add_argument("--input", type=_names(config.BENCH_INPUTS), default=("numpy",),
+    parser.add_argument("--input", type=names(config.BENCH_INPUTS), default=("numpy",),
                         metavar="I[,I...]",
                         help="how kdist is fed the same arrays, each one table row: "
                         "directly or through tf.data, a PyDataset or Grain "

@@ -3,7 +3,7 @@
 import keras
 import numpy as np
 
-from kdist import training
+from kdist import building, training
 from kdist.model import create_model
 
 # Replicas for a test whose subject is not the replica count: torch holds one replica
@@ -19,7 +19,7 @@ def prepare(engine, global_batch, model_fn=create_model, optimizer_fn=training.s
     """(model, step), compiled by `engine`; plain SGD by default (see test_distribution)."""
     if not train:
         optimizer_fn = learning_rate = None
-    model, step = training.prepare_model(engine, global_batch, sample, model_fn, optimizer_fn,
+    model, step = building.prepare_model(engine, global_batch, sample, model_fn, optimizer_fn,
                                          learning_rate, train=train, **kwargs)
     engine.compile_steps(step, model.optimizer)
     return model, step

@@ -16,12 +16,12 @@ startup.prepare_environment()
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from kdist import checkpoints, data, training  # noqa: E402
+from kdist import building, checkpoints, data, training  # noqa: E402
 from kdist.model import create_model  # noqa: E402
 
 checkpoint, out = sys.argv[1:3]
 engine = training.engines.create_engine(distributed=False)
-model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
+model, optimizer = building.build(engine, create_model, training.adam, 1e-3)
 checkpoints.restore(model, checkpoint)
 images = data.synthetic_fashion_mnist(num_train=0, num_test=256, seed=11).test_x
 np.savez(out, logits=keras.ops.convert_to_numpy(model(images, training=False)),

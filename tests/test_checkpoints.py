@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import SEVERAL
-from kdist import checkpoints, engines, training
+from kdist import building, checkpoints, engines, training
 from kdist.model import create_model
 
 
@@ -18,7 +18,7 @@ def trained_model(replicas=SEVERAL, seed=0):
     """A distributed model compiled with a built Adam optimizer."""
     engine = engines.create_engine(replicas)
     keras.utils.set_random_seed(seed)
-    model, optimizer = training.build(engine, create_model, training.adam, 1e-3)
+    model, optimizer = building.build(engine, create_model, training.adam, 1e-3)
     return engine, model
 
 

@@ -9,7 +9,8 @@ import pytest
 
 import kdist
 from conftest import REPO
-from kdist import checkpoints, ckptfile, cli, config, data, engines, errors, reporting, runlock
+from kdist import (checkpoints, ckptfile, cli, config, data, engines, errors, flags, reporting,
+                   runlock)
 from kdist import startup, training
 
 
@@ -20,7 +21,7 @@ def test_every_train_config_field_is_a_flag_with_the_same_default():
             assert field not in config.flag_fields()
             continue
         assert getattr(args, field.name) == field.default, field.name
-    assert cli.config_from_args(args, progress=False) == kdist.TrainConfig()
+    assert flags.config_from_args(args, progress=False) == kdist.TrainConfig()
 
 
 def test_every_flag_field_has_help_and_shows_in_the_help(capsys):
@@ -34,7 +35,7 @@ def test_every_flag_field_has_help_and_shows_in_the_help(capsys):
 def test_flags_parse_into_the_config():
     args = cli.train_parser().parse_args(
         ["--epochs", "3", "--no-resume", "--break-lock", "--seed", "0", "--learning-rate", "0.5"])
-    cfg = cli.config_from_args(args, progress=True)
+    cfg = flags.config_from_args(args, progress=True)
     assert (cfg.epochs, cfg.resume, cfg.break_lock, cfg.learning_rate, cfg.progress) == \
         (3, False, True, 0.5, True)
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from helpers import prepare
-from kdist import data, engines, losses, steps, training
+from kdist import building, data, engines, losses, steps, training
 from kdist.model import create_model
 
 
@@ -72,7 +72,7 @@ def test_batches_are_split_across_replicas(batch, replicas):
 
 def test_variables_are_replicated_on_every_device():
     engine = engines.create_engine(4)
-    model, _ = training.build(engine, create_model, train=False)
+    model, _ = building.build(engine, create_model, train=False)
     for variable in model.weights:
         if engine.backend == "jax":
             sharding = variable.value.sharding

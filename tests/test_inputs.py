@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from helpers import SEVERAL
-from kdist import engines, inputs, pipelines, prefetch, steps, training
+from kdist import building, engines, inputs, pipelines, prefetch, steps, training
 from kdist.errors import DataError, UsageError
 from test_training import StopAfter, checkpoint_arrays, without_timing
 
@@ -281,7 +281,7 @@ def test_tf_data_trains_like_the_same_batches_as_arrays(tmp_path):
 def test_evaluation_counts_every_example_once_whatever_the_kind():
     engine = engines.create_engine(2)
     keras.utils.set_random_seed(0)
-    model, step = training.prepare_model(engine, 32, training.sample_rows(
+    model, step = building.prepare_model(engine, 32, building.sample_rows(
         inputs.prepare(inputs.Inputs(TRAIN, TEST))), make_mlp)
     engine.compile_steps(step, model.optimizer)
     x, y = TEST

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from helpers import SEVERAL
-from kdist import checkpoints, data, engines, steps, training
+from kdist import building, checkpoints, data, engines, steps, training
 from kdist.step import ema_variables
 from test_training import StopAfter, checkpoint_arrays
 
@@ -53,7 +53,7 @@ def trained(optimizer_fn, replicas, batch=BATCH, count=1):
     (None: the undistributed engine). Returns (initial weights, model, engine)."""
     engine = engines.create_engine(replicas or 1, distributed=replicas is not None)
     keras.utils.set_random_seed(1)
-    model, step = training.prepare_model(engine, batch, (X[:batch], Y[:batch], None),
+    model, step = building.prepare_model(engine, batch, (X[:batch], Y[:batch], None),
                                          model_fn(optimizer_fn))
     initial = [np.array(w) for w in model.get_weights()]
     engine.compile_steps(step, model.optimizer)
@@ -263,7 +263,7 @@ def latest(tmp_path, name):
 def restored_optimizer(path, optimizer_fn):
     """The optimizer of a fresh undistributed model restored from `path`."""
     engine = engines.create_engine(1, distributed=False)
-    model, _ = training.prepare_model(engine, 4, (X[:4], Y[:4], None), model_fn(optimizer_fn))
+    model, _ = building.prepare_model(engine, 4, (X[:4], Y[:4], None), model_fn(optimizer_fn))
     checkpoints.restore(model, path)
     return model.optimizer
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from kdist import checkpoints, cli, config, data, engines, reporting, steps, training
+from kdist import (building, checkpoints, cli, config, data, engines, flags, reporting, steps,
+                   training)
 from kdist.bench import format_table
 from kdist.errors import UsageError
 from kdist.model import create_model
@@ -84,7 +85,7 @@ def train(model_fn, precision, replicas, batches, sample=(IMAGES[:2], LABELS[:2]
     Returns (weights before, weights after, model, per-step statistics, totals)."""
     engine = engines.create_engine(replicas or 1, distributed=replicas is not None)
     keras.utils.set_random_seed(1)
-    model, step = training.prepare_model(engine, len(data.leaves(batches[0][0])[0]), sample,
+    model, step = building.prepare_model(engine, len(data.leaves(batches[0][0])[0]), sample,
                                          model_fn, precision=precision)
     before = [np.array(w) for w in model.get_weights()]
     engine.compile_steps(step, model.optimizer)
@@ -111,7 +112,7 @@ def test_precision_holds_while_the_model_is_built_and_the_callers_policy_comes_b
     engine = engines.create_engine(1, distributed=False)
     keras.config.set_dtype_policy("mixed_bfloat16")  # The caller's own choice.
     try:
-        model, optimizer = training.build(engine, uncompiled, training.sgd, 0.1,
+        model, optimizer = building.build(engine, uncompiled, training.sgd, 0.1,
                                           precision="mixed_float16")
         assert keras.config.dtype_policy().name == "mixed_bfloat16"
         assert [layer.dtype_policy.name for layer in model.layers] == [
@@ -121,7 +122,7 @@ def test_precision_holds_while_the_model_is_built_and_the_callers_policy_comes_b
         # Keras' compile adds dynamic loss scaling to a mixed_float16 model.
         assert isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
-        kept, _ = training.build(engine, uncompiled, training.sgd, 0.1, precision=None)
+        kept, _ = building.build(engine, uncompiled, training.sgd, 0.1, precision=None)
         assert kept.layers[0].dtype_policy.name == "mixed_bfloat16"
 
         def failing():
@@ -129,7 +130,7 @@ def test_precision_holds_while_the_model_is_built_and_the_callers_policy_comes_b
             raise RuntimeError("model_fn failed")
 
         with pytest.raises(RuntimeError, match="model_fn failed"):
-            training.build(engine, failing, precision="float32")
+            building.build(engine, failing, precision="float32")
         assert keras.config.dtype_policy().name == "mixed_bfloat16"
     finally:
         keras.config.set_dtype_policy("float32")
@@ -138,7 +139,7 @@ def test_precision_holds_while_the_model_is_built_and_the_callers_policy_comes_b
 @pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
 def test_the_cnn_computes_in_the_policy_with_float32_variables_and_logits(precision):
     engine = engines.create_engine(1, distributed=False)
-    model, _ = training.build(engine, create_model, train=False, precision=precision)
+    model, _ = building.build(engine, create_model, train=False, precision=precision)
     # The symbolic outputs carry the dtypes the layers compute in.
     assert [layer.output.dtype for layer in model.layers] == \
         [COMPUTE_DTYPE[precision]] * (len(model.layers) - 1) + ["float32"]
@@ -167,11 +168,11 @@ def test_precision_is_checked_as_a_setting_and_a_flag(tmp_path):
                                          "mixed_float16, got 'float16'"):
         training.TrainConfig(precision="float16")
     args = cli.train_parser().parse_args(["--precision", "mixed_bfloat16"])
-    assert cli.config_from_args(args).precision == "mixed_bfloat16"
+    assert flags.config_from_args(args).precision == "mixed_bfloat16"
     assert cli.train_parser().parse_args([]).precision == "float32"
     with pytest.raises(SystemExit):
         cli.train_parser().parse_args(["--precision", "bfloat16"])
-    bench_flag = cli._names(config.PRECISIONS)  # kdist-bench --precision
+    bench_flag = flags.names(config.PRECISIONS)  # kdist-bench --precision
     assert bench_flag("float32,mixed_bfloat16,float32") == ("float32", "mixed_bfloat16")
     with pytest.raises(Exception, match="expected one or more of"):
         bench_flag("float32,fp8")
@@ -418,7 +419,7 @@ def test_a_checkpoint_restores_into_another_precision_with_its_optimizer_state(
         checkpoint_of, written, read):
     path, weights, state = checkpoint_of(written)
     engine = engines.create_engine(1, distributed=False)
-    model, optimizer = training.build(engine, compiled(tiny_mlp, lambda: keras.optimizers.Adam(
+    model, optimizer = building.build(engine, compiled(tiny_mlp, lambda: keras.optimizers.Adam(
         0.01)), sample=(FEATURES[:2], CLASSES[:2], None), precision=read)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from helpers import SEVERAL
-from kdist import data, engines, steps, training
+from kdist import building, data, engines, steps, training
 
 BACKEND = keras.backend.backend()
 FEATURES, TRAIN, TEST = 5, 128, 1001
@@ -67,7 +67,7 @@ def test_sgd_steps_and_evaluation_equal_keras(replicas, outputs):
 
     engine = engines.create_engine(replicas)
     sample = tuple(a[:2] for a in train) + (None,)
-    model, step = training.prepare_model(engine, GLOBAL_BATCH, sample,
+    model, step = building.prepare_model(engine, GLOBAL_BATCH, sample,
                                          lambda: regression_model(outputs))
     model.set_weights(initial)  # Before compile_steps: the engine takes the values then.
     engine.compile_steps(step, model.optimizer)
@@ -124,7 +124,7 @@ def test_sample_weights_go_to_weighted_metrics_only_as_in_keras():
                          shuffle=False, verbose=0).history
 
     engine = engines.create_engine(2)
-    model, step = training.prepare_model(engine, GLOBAL_BATCH,
+    model, step = building.prepare_model(engine, GLOBAL_BATCH,
                                          (train[0][:2], train[1][:2], train_weight[:2]), model_fn)
     model.set_weights(initial)
     engine.compile_steps(step, model.optimizer)

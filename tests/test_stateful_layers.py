@@ -14,7 +14,7 @@ import pytest
 from keras import ops
 
 from helpers import SEVERAL
-from kdist import checkpoints, data, engines, steps, training
+from kdist import building, checkpoints, data, engines, steps, training
 from kdist.step import metric_key
 from kdist.errors import Interrupted
 from test_training import StopAfter, checkpoint_arrays, without_timing
@@ -250,7 +250,7 @@ def dropout_outputs(replicas, seed, train_steps=2):
     batch, then of one evaluation step."""
     engine = engines.create_engine(replicas)
     keras.utils.set_random_seed(seed)
-    model, step = training.prepare_model(engine, ROWS, (ONES[:2], ROW_IDS[:2], None),
+    model, step = building.prepare_model(engine, ROWS, (ONES[:2], ROW_IDS[:2], None),
                                          dropout_model)
     engine.compile_steps(step, model.optimizer)
     (key,) = [metric_key(i) for i, v in enumerate(step.metric_variables)
@@ -317,7 +317,7 @@ def moving_statistics_after_a_step(replicas, tmp_path):
     engine = engines.create_engine(replicas)
     keras.utils.set_random_seed(3)
     x, y = bn_batch()
-    model, step = training.prepare_model(engine, len(x), (x[:2], y[:2], None), bn_model)
+    model, step = building.prepare_model(engine, len(x), (x[:2], y[:2], None), bn_model)
     engine.compile_steps(step, model.optimizer)
     engine.train_chunk(engine.distribute(steps.stack_chunk(
         [(x, y, None)])), 1)

@@ -1,0 +1,87 @@
+"""Command-line flags: parsers of their values, and the train flags of `TrainConfig`.
+
+The train flags are derived from `kdist.TrainConfig`'s fields (their help is
+in the fields' metadata, see `kdist.config`), so a field and its flag cannot
+drift apart.
+"""
+
+import argparse
+import math
+import typing
+
+import kdist
+from kdist import checks, config
+
+
+def positive(kind):
+    """A parser of a `kind` (int or float) greater than 0 and finite."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def seed(text):
+    """A seed: a whole number in `kdist.checks.SEED_RANGE`."""
+    try:
+        checks.check_seed(int(text), name="the seed")
+    except ValueError as e:  # Not a whole number, or a UsageError (a ValueError too).
+        low, high = checks.SEED_RANGE
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number in {low}..{high}, got {text!r}") from e
+    return int(text)
+
+
+def names(choices):
+    """A parser of comma-separated names out of `choices`, each kept once, in order."""
+    def parse(text):
+        names = [name.strip() for name in text.split(",")]
+        if any(name not in choices for name in names):
+            raise argparse.ArgumentTypeError(
+                f"expected one or more of {', '.join(choices)} separated by commas, "
+                f"got {text!r}")
+        return tuple(dict.fromkeys(names))
+
+    return parse
+
+
+_PARSERS = {"seed": seed}  # Number fields that are not simply "greater than 0".
+
+
+def config_argument(field):
+    """(flag, add_argument keywords) of a `TrainConfig` field."""
+    kind = next(t for t in typing.get_args(field.type) + (field.type,) if t is not type(None))
+    help = field.metadata["help"]
+    if field.default is not None and kind is not bool and "(default" not in help:
+        help += " (default: %(default)s)"
+    keywords = dict(dest=field.name, default=field.default, help=help)
+    if "choices" in field.metadata:
+        keywords["choices"] = field.metadata["choices"]
+    if kind is bool:
+        keywords["action"] = "store_false" if field.default else "store_true"
+    elif kind in (int, float):
+        keywords["type"] = _PARSERS.get(field.name) or positive(kind)
+    return config.flag_name(field), keywords
+
+
+def add_config_flags(parser, names=None):
+    """Adds the flags of `TrainConfig`'s fields `names` (default: every field with a flag)."""
+    for field in config.flag_fields():
+        if names is None or field.name in names:
+            flag, keywords = config_argument(field)
+            parser.add_argument(flag, **keywords)
+
+
+def config_from_args(args, **fields):
+    """The `TrainConfig` of parsed train flags; `fields` sets those without a flag."""
+    values = {f.name: getattr(args, f.name) for f in config.flag_fields()}
+    return kdist.TrainConfig(**values, **fields)
