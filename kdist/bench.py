@@ -54,8 +54,9 @@ def peak_rss_mb():
 
 
 def summarize_epochs(seconds, samples_per_epoch):
-    """First-epoch time and the median samples/s of the epochs after it."""
-    return dict(first_epoch_seconds=seconds[0],
+    """First-epoch time, the median samples/s of the epochs after it, and every
+    epoch's time (their spread shows how steady the machine was)."""
+    return dict(first_epoch_seconds=seconds[0], epoch_seconds=list(seconds),
                 samples_per_sec=statistics.median(samples_per_epoch / s for s in seconds[1:]))
 
 
@@ -271,7 +272,10 @@ def _figures(mine, theirs):
         fit_first_epoch_seconds=fit("first_epoch_seconds", 2),
         eval_seconds=round(mine["eval_seconds"], 2),
         fit_eval_seconds=fit("eval_seconds", 2),
-        peak_rss_mb=round(mine["peak_rss_mb"]))
+        peak_rss_mb=round(mine["peak_rss_mb"]),
+        epoch_seconds=[round(s, 3) for s in mine["epoch_seconds"]],
+        fit_epoch_seconds=None if theirs is None else [round(s, 3)
+                                                       for s in theirs["epoch_seconds"]])
 
 
 # The table's columns: (heading, kdist's or fit's measurement, key, format).

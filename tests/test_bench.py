@@ -12,7 +12,7 @@ from conftest import REPO
 from kdist import bench, cli, config, workerbench
 
 MINE = dict(samples_per_sec=1000.4, first_epoch_seconds=2.345, eval_seconds=0.5,
-            peak_rss_mb=900.2)
+            peak_rss_mb=900.2, epoch_seconds=[2.345, 1.0004, 0.9996])
 
 
 def test_the_models_are_the_flags_choices():
@@ -38,7 +38,8 @@ def test_without_fit_its_figures_are_none_and_the_table_shows_dashes():
     figures = bench._figures(MINE, None)
     assert figures["kdist_samples_per_sec"] == 1000 and figures["first_epoch_seconds"] == 2.35
     assert figures["fit_samples_per_sec"] is figures["ratio"] is figures["fit_eval_seconds"] \
-        is None
+        is figures["fit_epoch_seconds"] is None
+    assert figures["epoch_seconds"] == [2.345, 1.0, 1.0]  # Every epoch's, in milliseconds.
     theirs = dict(MINE, samples_per_sec=500.0)
     assert bench._figures(MINE, theirs)["ratio"] == 2.001
     table = bench.format_table([("float32", MINE, None), ("mixed_bfloat16", MINE, theirs)])
