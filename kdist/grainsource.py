@@ -4,7 +4,7 @@ Grain (the `grain` package) is Google's data loading library for JAX and
 Keras. kdist reads its two dataset kinds, batched as for Keras `fit`:
 
 - `grain.MapDataset`, read by index as a PyDataset is
-  (`kdist.pipelines.PyDatasetSource`): each worker reads only the batches
+  (`kdist.pydatasets.PyDatasetSource`): each worker reads only the batches
   that hold its rows of each global batch, and a resume starts at the index
   of the first row not trained. Epoch `e` reads indices `e * len(dataset)`
   to `(e + 1) * len(dataset) - 1`, Grain's own numbering of a dataset's
@@ -27,7 +27,7 @@ import sys
 
 import numpy as np
 
-from kdist import pipelines
+from kdist import pipelines, pydatasets
 from kdist.errors import DataError, UsageError
 
 
@@ -63,7 +63,7 @@ def _infinite(dataset):
     return any(_infinite(parent) for parent in dataset.parents)
 
 
-class GrainMapSource(pipelines.PyDatasetSource):
+class GrainMapSource(pydatasets.PyDatasetSource):
     """A batched grain.MapDataset, read by index (see the module docstring)."""
 
     kind = "grain.MapDataset"

@@ -19,7 +19,8 @@ iterator of batches (called once per epoch); also a batched Grain dataset
 
 A pipeline's batches may hold any number of rows: they are re-cut here
 (`cut`) into global batches of batch_size_per_replica x replicas, checked
-batch by batch (`BatchCheck`). The pipeline kinds live in `kdist.pipelines`.
+batch by batch (`BatchCheck`). The pipeline kinds live in `kdist.pipelines`,
+`kdist.pydatasets`, `kdist.grainsource` and `kdist.tfrecords`.
 """
 
 import dataclasses
@@ -97,15 +98,15 @@ def prepare(dataset, splits=("train", "test")):
 
 def source_for(given, split):
     """The source that reads `given`, one split's data (see `Inputs`)."""
-    from kdist import grainsource, pipelines, tfrecords  # Loads Keras.
+    from kdist import grainsource, pipelines, pydatasets, tfrecords  # Loads Keras.
 
     what = f"the {split} data"
     if isinstance(given, tfrecords.TFRecords):
         return tfrecords.TFRecordSource(given, what)
     if pipelines.is_tf_dataset(given):
         return pipelines.TfDataSource(given, what)
-    if pipelines.is_py_dataset(given):
-        return pipelines.PyDatasetSource(given, what)
+    if pydatasets.is_py_dataset(given):
+        return pydatasets.PyDatasetSource(given, what)
     if grainsource.is_grain(given):
         return grainsource.source_for(given, what)
     if _is_arrays(given):

@@ -1,8 +1,9 @@
-"""The pipelines kdist reads: tf.data, keras.utils.PyDataset, and functions yielding batches.
+"""The pipelines kdist reads front to back: tf.data, and functions yielding batches.
 
-Each is a source of `kdist.inputs` (see its docstring for the interface).
-Their batches may hold any number of rows; kdist re-cuts them into global
-batches. The rules, per kind:
+Each is a source of `kdist.inputs` (see its docstring for the interface);
+`kdist.pydatasets` reads a `keras.utils.PyDataset` by index. Their batches
+may hold any number of rows; kdist re-cuts them into global batches. The
+rules, per kind:
 
 - `tf.data.Dataset`, batched (as for `fit`); read once per epoch, as `fit`
   does. Every worker reads the whole pipeline and keeps its slice of every
@@ -12,14 +13,8 @@ batches. The rules, per kind:
   after the one that read its first batch, so a `shuffle(seed=...)` that
   reshuffles at every iteration gives the resumed epoch its order again;
   the batches already trained are skipped (`skip` where the batch size is
-  static, else read and dropped).
-- `keras.utils.PyDataset`: read by index. Its batches are taken in an order
-  shuffled by (seed, epoch), as `fit` shuffles a PyDataset's batches; every
-  batch but the last must hold as many examples as the first. A worker reads
-  only the batches that hold its rows of each global batch; a resume starts
-  at its rows' index. `on_epoch_begin` / `on_epoch_end` are called around
-  each epoch's steps; `workers`, `use_multiprocessing` and `max_queue_size`
-  are not used (kdist reads one chunk ahead on one thread).
+  static, else read and dropped). kdist reads several global batches at a
+  time (`_numpy`) where the element shapes allow it.
 - A function returning an iterator of batches: called at the start of
   every epoch, with the epoch (from 0) if it takes an argument, and once
   more at the start to read the first batch; evaluation calls it as epoch
@@ -29,14 +24,11 @@ batches. The rules, per kind:
   epoch at every call (deterministic, or seeded by the epoch), otherwise
   the resumed epoch trains on whatever follows.
 
-Infinite pipelines (`repeat()`, a PyDataset without an end) are refused: an
-epoch is one pass over the data.
+Infinite pipelines (`repeat()`) are refused: an epoch is one pass over the data.
 """
 
 import inspect
 import sys
-
-import numpy as np
 
 from kdist import data, inputs
 from kdist.errors import DataError
@@ -45,12 +37,6 @@ from kdist.errors import DataError
 def is_tf_dataset(given):
     tf = sys.modules.get("tensorflow")  # Loaded by whoever built a tf.data.Dataset.
     return tf is not None and isinstance(given, tf.data.Dataset)
-
-
-def is_py_dataset(given):
-    import keras
-
-    return isinstance(given, keras.utils.PyDataset)
 
 
 class _StreamSource:
@@ -67,7 +53,7 @@ class _StreamSource:
 
     def sample(self, rows=2):
         if self._first is None:
-            batches, _ = self._open(None, 0)
+            batches, _ = self._open(None, 0, None)
             first = next(batches, None)
             if first is None:
                 raise DataError(f"{self.what} is empty")
@@ -92,7 +78,7 @@ class _StreamSource:
 
         def slices():
             skip = start_step * global_batch
-            batches, skipped = self._open(epoch, skip)
+            batches, skipped = self._open(epoch, skip, global_batch)
             first = skipped // getattr(self, "batch", None) if skipped else 0
             pairs = inputs.drop_rows(self._checked(batches, first), skip - skipped)
             yield from inputs.train_slices(inputs.cut(pairs, global_batch), global_batch,
@@ -102,7 +88,7 @@ class _StreamSource:
 
     def evaluate(self, global_batch, shard=(0, 1)):
         def slices():
-            batches, _ = self._open(0, 0)
+            batches, _ = self._open(0, 0, global_batch)
             yield from inputs.eval_slices(inputs.cut(self._checked(batches), global_batch),
                                           global_batch, shard, self.what)
 
@@ -142,10 +128,11 @@ class TfDataSource(_StreamSource):
     def size(self):
         return None if None in (self.batch, self.batches) else self.batch * self.batches
 
-    def _open(self, epoch, skip):
+    def _open(self, epoch, skip, global_batch):
         """(An iterator over epoch `epoch`'s batches, the rows it skipped): the
         (epoch + 1)-th iterator after the sample's, made after throw-away ones
-        if needed, so a pipeline that reshuffles at every iteration replays."""
+        if needed, so a pipeline that reshuffles at every iteration replays.
+        Given `global_batch`, it reads several at a time (`_numpy`)."""
         if epoch is not None:
             while self._made < 1 + epoch:
                 iter(self.dataset)
@@ -153,11 +140,11 @@ class TfDataSource(_StreamSource):
         whole = skip // self.batch if self.batch else 0
         self._made += 1
         dataset = self.dataset.skip(whole) if whole else self.dataset
-        return dataset.as_numpy_iterator(), whole * (self.batch or 0)
+        return _numpy(dataset, self.what, global_batch), whole * (self.batch or 0)
 
     def evaluate(self, global_batch, shard=(0, 1)):
         def slices():
-            batches = self.dataset.as_numpy_iterator()  # Its order does not matter.
+            batches = _numpy(self.dataset, self.what, global_batch)  # Any order will do.
             yield from inputs.eval_slices(inputs.cut(self._checked(batches), global_batch),
                                           global_batch, shard, self.what)
 
@@ -174,15 +161,62 @@ class GeneratorSource(_StreamSource):
         self.make = make
         self.takes_epoch = _takes_argument(make)
 
-    def _open(self, epoch, skip):
+    def _open(self, epoch, skip, global_batch):
         made = self.make(epoch or 0) if self.takes_epoch else self.make()
-        if hasattr(made, "as_numpy_iterator"):  # A tf.data.Dataset made for the epoch.
-            made = made.as_numpy_iterator()
+        if is_tf_dataset(made):  # A tf.data.Dataset made for the epoch.
+            made = _numpy(made, self.what, global_batch)
         try:
             return iter(made), 0
         except TypeError:
             raise DataError(f"{self.what}: the function returned a {type(made).__name__}, "
                             "not an iterator of batches") from None
+
+
+# How much kdist reads from a tf.data pipeline at a time: each read is a call
+# from Python into TensorFlow and a hand-over from its threads, and one read
+# per batch slowed training on a 2-core CPU whose cores the step keeps busy
+# (docs/performance.md, "Input pipelines"). READ_BATCHES global batches per
+# read, fewer where that would exceed READ_BYTES.
+READ_BATCHES = 8
+READ_BYTES = 64 * 2**20
+
+
+def _numpy(dataset, what, global_batch):
+    """An iterator over a tf.data.Dataset's elements as NumPy arrays.
+
+    Given `global_batch`, it reads several global batches' rows at a time
+    (`Dataset.rebatch`, which re-cuts the elements inside tf.data) where every
+    part's shape past the batch axis is known: such reads cannot change shape.
+    An element whose parts hold different numbers of rows then ends the read
+    with one DataError."""
+    rows = _read_rows(dataset.element_spec, global_batch)
+    if rows is None:
+        return dataset.as_numpy_iterator()
+    return _rows_checked(dataset.rebatch(rows).as_numpy_iterator(), what)
+
+
+def _read_rows(spec, global_batch):
+    """Rows per read of a dataset of elements `spec` (None: one element per read)."""
+    import tensorflow as tf
+
+    specs = tf.nest.flatten(spec)
+    if global_batch is None or not all(s.shape[1:].is_fully_defined() for s in specs):
+        return None
+    batch_bytes = global_batch * sum(s.shape[1:].num_elements() * s.dtype.size for s in specs)
+    return global_batch * max(1, min(READ_BATCHES, READ_BYTES // max(batch_bytes, 1)))
+
+
+def _rows_checked(batches, what):
+    import tensorflow as tf
+
+    try:
+        yield from batches
+    except tf.errors.InvalidArgumentError as error:
+        if "same batch size in each component" not in str(error):
+            raise
+        detail = str(error).split("}}")[-1].strip().splitlines()[0]
+        raise DataError(f"{what}: a batch holds arrays of different lengths ({detail}); x, y "
+                        "and the sample weights need one row per example") from None
 
 
 def _takes_argument(function):
@@ -195,10 +229,6 @@ def _takes_argument(function):
                and p.default is p.empty for p in parameters)
 
 
-def _nothing():
-    pass
-
-
 def resume_note(source, step_in_epoch, global_batch):
     """What the banner adds when `source` resumes mid-epoch by reading and
     dropping what was trained: a function's batches may differ from call to call."""
@@ -207,112 +237,3 @@ def resume_note(source, step_in_epoch, global_batch):
     return (f"; the train function is called again and its first "
             f"{step_in_epoch * global_batch:,} examples dropped: exact if it yields the "
             "same batches as before")
-
-
-class PyDatasetSource:
-    """A keras.utils.PyDataset, read by index (see the module docstring); a subclass
-    reads another indexed kind through `_count`, `_get` and `_order`."""
-
-    kind = "PyDataset"
-
-    def __init__(self, dataset, what):
-        self.dataset, self.what = dataset, what
-        self.check = inputs.BatchCheck(what)
-        count = self._count()
-        if count == 0:
-            raise DataError(f"{what} is empty (a {self.kind} of no batches)")
-        self.first, self.batch = self.check(self._get(0, 0), 0)
-        last = (self.first, self.batch) if count == 1 else self.check(
-            self._get(count - 1, 0), count - 1)
-        self.sizes = np.full(count, self.batch, np.int64)
-        self.sizes[-1] = last[1]
-        self._cached = (None, None)
-
-    def _count(self):
-        """The batches of an epoch; DataError if unknown or infinite."""
-        try:
-            count = self.dataset.num_batches
-        except NotImplementedError:
-            raise DataError(f"{self.what} is a PyDataset without a length; define __len__ "
-                            "(its number of batches)") from None
-        if count is None:
-            raise DataError(f"{self.what} is an infinite PyDataset (num_batches None); an "
-                            "epoch is one pass over the data: give it a length")
-        return count
-
-    def _get(self, index, epoch):
-        """Batch `index` of epoch `epoch` (a PyDataset's are the same every epoch)."""
-        return self.dataset[index]
-
-    def _order(self, seed, epoch):
-        """The batches in the order epoch `epoch` reads them: shuffled by (seed, epoch),
-        as fit shuffles a PyDataset's batches."""
-        return np.random.default_rng([seed, epoch]).permutation(len(self.sizes))
-
-    def size(self):
-        return int(self.sizes.sum())
-
-    def sample(self, rows=2):
-        return data.take_rows(self.first, slice(0, rows))
-
-    def steps_per_epoch(self, global_batch, limit=None):
-        return data.steps_per_epoch(self.size(), global_batch, limit)
-
-    def eval_steps(self, global_batch):
-        return data.eval_steps(self.size(), global_batch)
-
-    def _read(self, index, epoch):
-        """Batch `index` of epoch `epoch`, checked; the last one read is kept
-        (neighbouring slices share it)."""
-        index = int(index)
-        if self._cached[0] != (epoch, index):
-            batch, rows = self.check(self._get(index, epoch), index)
-            if rows != self.sizes[index]:
-                raise DataError(f"{self.what}: PyDataset batch {index} holds {rows} examples; "
-                                f"every batch but the last must hold {self.batch}, as the "
-                                "first does")
-            self._cached = ((epoch, index), batch)
-        return self._cached[1]
-
-    def _rows(self, order, starts, first, stop, epoch=0):
-        """Rows [first, stop) of the pass that reads batches in `order`; `starts`
-        holds where each begins (and the pass's end)."""
-        parts = []
-        position = int(np.searchsorted(starts, first, "right")) - 1
-        while first < stop:
-            end = min(stop, int(starts[position + 1]))
-            parts.append(data.take_rows(self._read(order[position], epoch),
-                                        slice(first - starts[position], end - starts[position])))
-            first, position = end, position + 1
-        return inputs.concat(parts)
-
-    def _layout(self, order):
-        return np.concatenate([[0], np.cumsum(self.sizes[order])])
-
-    def train(self, global_batch, *, seed, epoch, start_step=0, limit=None, shard=(0, 1)):
-        def slices():
-            order = self._order(seed, epoch)
-            starts = self._layout(order)
-            steps = self.steps_per_epoch(global_batch, limit)
-            rows = inputs.worker_rows(global_batch, shard)
-            self._cached = (None, None)
-            getattr(self.dataset, "on_epoch_begin", _nothing)()  # A PyDataset's hooks.
-            for step in range(start_step, steps):
-                offset = step * global_batch
-                yield self._rows(order, starts, offset + rows.start, offset + rows.stop, epoch)
-            getattr(self.dataset, "on_epoch_end", _nothing)()
-
-        return inputs.Stream(slices())
-
-    def evaluate(self, global_batch, shard=(0, 1)):
-        def slices():
-            order = np.arange(len(self.sizes))
-            starts, size = self._layout(order), self.size()
-            full, rows = self.eval_steps(global_batch), inputs.worker_rows(global_batch, shard)
-            for step in range(full):
-                offset = step * global_batch
-                yield self._rows(order, starts, offset + rows.start, offset + rows.stop), False
-            if size > full * global_batch:
-                yield self._rows(order, starts, full * global_batch, size), True
-
-        return inputs.Stream(slices())

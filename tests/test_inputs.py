@@ -431,6 +431,37 @@ def test_tf_data_must_be_batched_finite_and_non_empty():
     assert isinstance(inputs.source_for(examples.batch(8), "train"), pipelines.TfDataSource)
 
 
+@needs_tf
+def test_tf_data_is_read_several_global_batches_at_a_time_where_shapes_allow():
+    import tensorflow as tf
+
+    x, y = TRAIN  # 400 rows of 8 float32 features.
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
+    assert pipelines._read_rows(batched.element_spec, 16) == 16 * pipelines.READ_BATCHES
+    wide = tf.TensorSpec((None, pipelines.READ_BYTES // 4 // 32), tf.float32)
+    assert pipelines._read_rows((wide, wide), 16) == 16  # Capped by READ_BYTES: one batch.
+    ragged = batched.map(lambda a, b: (a[:, :tf.shape(a)[0] % 8 + 1], b))
+    assert pipelines._read_rows(ragged.element_spec, 16) is None  # A dimension not known.
+    source = inputs.source_for(batched, "train")
+    read = list(pipelines._numpy(batched, "the train data", 16))
+    assert [len(b[0]) for b in read] == [128, 128, 128, 16]
+    np.testing.assert_array_equal(np.concatenate([b[0] for b in read]), x)
+    got = [b for b in source.train(16, seed=0, epoch=0, start_step=3)]
+    np.testing.assert_array_equal(np.concatenate([b[0] for b in got]), x[48:400])
+
+
+@needs_tf
+def test_tf_data_parts_of_different_lengths_are_one_clear_error():
+    import tensorflow as tf
+
+    x, y = TRAIN
+    unequal = tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(x).batch(10),
+                                   tf.data.Dataset.from_tensor_slices(y).batch(9)))
+    source = inputs.source_for(unequal, "train")
+    with pytest.raises(DataError, match=r"the train data: .*holds arrays of different lengths"):
+        list(source.train(16, seed=0, epoch=0))
+
+
 def test_an_empty_test_set_fails_before_training():
     with pytest.raises(DataError, match="the test data is empty"):
         inputs.prepare(inputs.Inputs(TRAIN, lambda: iter([])))
