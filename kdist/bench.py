@@ -141,12 +141,25 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
                       steps_per_execution=steps_per_execution)
             seconds[kind].append(time.perf_counter() - start)
     figures = {}
+    ratios = paired_ratios(seconds)
     for kind, (_, test) in sources.items():
         evaluate_seconds = _time_twice(lambda: evaluate_source(
             engine, step, test, global_batch, steps_per_execution))
         figures[kind] = dict(summarize_epochs(seconds[kind], steps * global_batch),
-                             eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
+                             eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb(),
+                             input_ratio=ratios[kind])
     return figures
+
+
+def paired_ratios(seconds):
+    """{kind: its speed against the first kind's}, from {kind: epoch times} of
+    kinds that took turns epoch by epoch: the median, over the steady rounds,
+    of the first kind's time / this kind's in the same round. A drift of the
+    machine's speed between rounds (20-30% within minutes on a shared VM)
+    cancels in each round's ratio; it does not in a ratio of medians."""
+    first = next(iter(seconds.values()))[1:]
+    return {kind: statistics.median(a / b for a, b in zip(first, times[1:]))
+            for kind, times in seconds.items()}
 
 
 class _EpochTimes(keras.callbacks.Callback):
@@ -248,6 +261,10 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
                 steps_per_execution=steps_per_execution, global_batch=global_batch,
                 steps=steps, **_figures(mine, theirs), **cpu))
     log(format_table(rows))
+    if len(input_kinds) > 1:
+        log(f"against {input_kinds[0]}, the median of each round's ratio: " + ", ".join(
+            f"{row['precision']} {row['input']} {row['input_ratio']:.3f}"
+            for row in summaries if row["input"] != input_kinds[0]))
     for summary in summaries:
         log(json.dumps(summary))
     return summaries[0] if len(summaries) == 1 else summaries
@@ -273,6 +290,7 @@ def _figures(mine, theirs):
         eval_seconds=round(mine["eval_seconds"], 2),
         fit_eval_seconds=fit("eval_seconds", 2),
         peak_rss_mb=round(mine["peak_rss_mb"]),
+        input_ratio=round(mine["input_ratio"], 3),
         epoch_seconds=[round(s, 3) for s in mine["epoch_seconds"]],
         fit_epoch_seconds=None if theirs is None else [round(s, 3)
                                                        for s in theirs["epoch_seconds"]])

@@ -12,7 +12,7 @@ from conftest import REPO
 from kdist import bench, cli, config, workerbench
 
 MINE = dict(samples_per_sec=1000.4, first_epoch_seconds=2.345, eval_seconds=0.5,
-            peak_rss_mb=900.2, epoch_seconds=[2.345, 1.0004, 0.9996])
+            peak_rss_mb=900.2, epoch_seconds=[2.345, 1.0004, 0.9996], input_ratio=1.0)
 
 
 def test_the_models_are_the_flags_choices():
@@ -92,3 +92,13 @@ def test_two_bench_workers_train_together_and_only_the_chief_reports(tmp_path, m
     if pins[0] is not None:
         assert line["cpu_cores"] == len(pins[0])
     assert np.isfinite(line["eval_seconds"])
+
+
+def test_input_kinds_compare_round_by_round_so_drift_cancels():
+    # The machine slows down 2x after two rounds, and tf.data hits it a round early.
+    seconds = {"numpy": [9.0, 1.0, 1.0, 2.0, 2.0, 2.0],
+               "tfdata": [5.0, 1.1, 2.2, 2.2, 2.2, 2.2],
+               "grain": [5.0, 0.5, 0.5, 1.0, 1.0, 1.0]}
+    ratios = bench.paired_ratios(seconds)
+    assert ratios["numpy"] == 1.0 and ratios["grain"] == pytest.approx(2.0)
+    assert ratios["tfdata"] == pytest.approx(2.0 / 2.2)  # The median of its 5 rounds' ratios.
