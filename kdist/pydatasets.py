@@ -6,8 +6,9 @@ examples as the first. A worker reads only the batches that hold its rows of
 each global batch; a resume starts at its rows' index. `on_epoch_begin` /
 `on_epoch_end` are called around each epoch's steps; `workers`,
 `use_multiprocessing` and `max_queue_size` are not used (kdist reads one
-chunk ahead on one thread). `kdist.grainsource` reads a Grain `MapDataset`
-the same way.
+chunk ahead on one thread). A PyDataset without a length, or an infinite
+one (`num_batches` None), is refused: an epoch is one pass over the data.
+`kdist.grainsource` reads a Grain `MapDataset` the same way.
 """
 
 import numpy as np
