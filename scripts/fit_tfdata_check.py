@@ -17,11 +17,15 @@ import statistics
 import sys
 import time
 
-import keras
-import numpy as np
-import tensorflow as tf
+from kdist import startup
 
-from kdist.model import create_model
+startup.prepare_environment()  # Before Keras loads: quiet logs, kdist-bench's memory settings.
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from kdist.model import create_model  # noqa: E402
 
 STEPS, BATCH = 200, 64
 

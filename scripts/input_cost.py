@@ -13,10 +13,14 @@ well it overlaps. Needs kdist installed (`pip install -e ".[all]"`).
 import argparse
 import time
 
-import numpy as np
+from kdist import startup
 
-from kdist import bench, config
-from kdist.flags import names, positive
+startup.prepare_environment()  # Before Keras loads: quiet logs, kdist-bench's memory settings.
+
+import numpy as np  # noqa: E402
+
+from kdist import bench, config  # noqa: E402
+from kdist.flags import names, positive  # noqa: E402
 
 
 def epoch_cost(source, batch, epoch):
