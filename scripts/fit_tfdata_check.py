@@ -20,12 +20,12 @@ import time
 from kdist import startup
 
 startup.prepare_environment()  # Before Keras loads: quiet logs, kdist-bench's memory settings.
+with startup.native_logs_silenced():  # The frameworks' start-up notices.
+    import keras
+    import numpy as np
+    import tensorflow as tf
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from kdist.model import create_model  # noqa: E402
+    from kdist.model import create_model
 
 STEPS, BATCH = 200, 64
 

@@ -16,11 +16,16 @@ import time
 from kdist import startup
 
 startup.prepare_environment()  # Before Keras loads: quiet logs, kdist-bench's memory settings.
+with startup.native_logs_silenced():  # The frameworks' start-up notices.
+    import importlib.util
 
-import numpy as np  # noqa: E402
+    import numpy as np
 
-from kdist import bench, config  # noqa: E402
-from kdist.flags import names, positive  # noqa: E402
+    if importlib.util.find_spec("tensorflow"):  # For --kinds tfdata, on any backend.
+        import tensorflow  # noqa: F401
+
+    from kdist import bench, config
+    from kdist.flags import names, positive
 
 
 def epoch_cost(source, batch, epoch):
