@@ -130,7 +130,17 @@ def _is_arrays(given):
             and all(isinstance(a, np.ndarray) for a in data.leaves(given)))
 
 
-class ArraySource:
+class SizedSource:
+    """A source that knows its number of examples (`size`): its steps follow."""
+
+    def steps_per_epoch(self, global_batch, limit=None):
+        return data.steps_per_epoch(self.size(), global_batch, limit)
+
+    def eval_steps(self, global_batch):
+        return data.eval_steps(self.size(), global_batch)
+
+
+class ArraySource(SizedSource):
     """NumPy arrays in memory: shuffled by (seed, epoch), sliced per worker
     (`kdist.data.train_batches`)."""
 
@@ -144,12 +154,6 @@ class ArraySource:
 
     def sample(self, rows=2):
         return data.take_rows(self.arrays, slice(0, rows))
-
-    def steps_per_epoch(self, global_batch, limit=None):
-        return data.steps_per_epoch(self.size(), global_batch, limit)
-
-    def eval_steps(self, global_batch):
-        return data.eval_steps(self.size(), global_batch)
 
     def train(self, global_batch, *, seed, epoch, start_step=0, limit=None, shard=(0, 1)):
         return Stream(data.train_batches(

@@ -23,7 +23,7 @@ def is_py_dataset(given):
     return isinstance(given, keras.utils.PyDataset)
 
 
-class PyDatasetSource:
+class PyDatasetSource(inputs.SizedSource):
     """A keras.utils.PyDataset, read by index (see the module docstring); a subclass
     reads another indexed kind through `_count`, `_get` and `_order`."""
 
@@ -68,12 +68,6 @@ class PyDatasetSource:
 
     def sample(self, rows=2):
         return data.take_rows(self.first, slice(0, rows))
-
-    def steps_per_epoch(self, global_batch, limit=None):
-        return data.steps_per_epoch(self.size(), global_batch, limit)
-
-    def eval_steps(self, global_batch):
-        return data.eval_steps(self.size(), global_batch)
 
     def _read(self, index, epoch):
         """Batch `index` of epoch `epoch`, checked; the last one read is kept
