@@ -80,26 +80,26 @@ def input_source(kind, arrays, global_batch, split):
     order = np.random.default_rng(0).permutation(len(x))
     full, batches = len(x) // global_batch, -(-len(x) // global_batch)
 
-    def rows(batch):
+    def rows(order, batch):  # A NumPy array or a tf.Tensor of row indices.
         return order[batch * global_batch:(batch + 1) * global_batch]
 
     if kind == "tfdata":
         import tensorflow as tf
 
-        images, labels, order = tf.constant(x), tf.constant(y), tf.constant(order)
+        images, labels, table = tf.constant(x), tf.constant(y), tf.constant(order)
         given = (tf.data.Dataset.range(full).shuffle(full, seed=0)
                  .concatenate(tf.data.Dataset.range(full, batches))
-                 .map(lambda batch: (tf.gather(images, rows(batch)),
-                                     tf.gather(labels, rows(batch))))
+                 .map(lambda batch: (tf.gather(images, rows(table, batch)),
+                                     tf.gather(labels, rows(table, batch))))
                  .prefetch(tf.data.AUTOTUNE))
     elif kind == "pydataset":
-        given = _Batches(batches, lambda batch: (x[rows(batch)], y[rows(batch)]))
+        given = _Batches(batches, lambda batch: (x[rows(order, batch)], y[rows(order, batch)]))
     else:
         import grain
 
         given = grain.MapDataset.concatenate([grain.MapDataset.range(full).shuffle(seed=0),
                                               grain.MapDataset.range(full, batches)])
-        given = given.map(lambda batch: (x[rows(batch)], y[rows(batch)]))
+        given = given.map(lambda batch: (x[rows(order, batch)], y[rows(order, batch)]))
     return inputs.source_for(given, split)
 
 
@@ -155,8 +155,8 @@ def paired_ratios(seconds):
     """{kind: its speed against the first kind's}, from {kind: epoch times} of
     kinds that took turns epoch by epoch: the median, over the steady rounds,
     of the first kind's time / this kind's in the same round. A drift of the
-    machine's speed between rounds (20-30% within minutes on a shared VM)
-    cancels in each round's ratio; it does not in a ratio of medians."""
+    machine's speed between rounds cancels in each round's ratio; it does not
+    in a ratio of medians."""
     first = next(iter(seconds.values()))[1:]
     return {kind: statistics.median(a / b for a, b in zip(first, times[1:]))
             for kind, times in seconds.items()}
