@@ -14,7 +14,7 @@ rules, per kind:
   reshuffles at every iteration gives the resumed epoch its order again;
   the batches already trained are skipped (`skip` where the batch size is
   static, else read and dropped). kdist reads several global batches at a
-  time (`_numpy`) where the element shapes allow it.
+  time (`_for_reading`) where the element shapes allow it.
 - A function returning an iterator of batches: called at the start of
   every epoch, with the epoch (from 0) if it takes an argument, and once
   more at the start to read the first batch; evaluation calls it as epoch
@@ -29,6 +29,7 @@ Infinite pipelines (`repeat()`) are refused: an epoch is one pass over the data.
 
 import inspect
 import sys
+import threading
 
 from kdist import data, inputs
 from kdist.errors import DataError
@@ -124,6 +125,7 @@ class TfDataSource(_StreamSource):
                             "over the data: drop repeat() (steps_per_epoch limits an epoch)")
         self.batches = cardinality if cardinality > 0 else None
         self._made = 0  # Iterators made so far: the first reads the sample.
+        self._read_as = {}  # Global batch -> the dataset read (`_for_reading`), made once.
 
     def size(self):
         return None if None in (self.batch, self.batches) else self.batch * self.batches
@@ -132,19 +134,31 @@ class TfDataSource(_StreamSource):
         """(An iterator over epoch `epoch`'s batches, the rows it skipped): the
         (epoch + 1)-th iterator after the sample's, made after throw-away ones
         if needed, so a pipeline that reshuffles at every iteration replays.
-        Given `global_batch`, it reads several at a time (`_numpy`)."""
+        Given `global_batch`, it reads several at a time (`_for_reading`)."""
         if epoch is not None:
             while self._made < 1 + epoch:
                 iter(self.dataset)
                 self._made += 1
         whole = skip // self.batch if self.batch else 0
         self._made += 1
-        dataset = self.dataset.skip(whole) if whole else self.dataset
-        return _numpy(dataset, self.what, global_batch), whole * (self.batch or 0)
+        if whole:
+            dataset = _for_reading(self.dataset.skip(whole), global_batch)
+        else:
+            dataset = self._reading(global_batch)
+        return numpy_batches(dataset, self.what), whole * (self.batch or 0)
+
+    def _reading(self, global_batch):
+        """The dataset read for `global_batch` (`_for_reading`), made once:
+        tf.data optimises a new dataset's graph at its first iterator, a cost
+        that a dataset made per epoch would pay every epoch (docs/performance.md,
+        "Input pipelines")."""
+        if global_batch not in self._read_as:
+            self._read_as[global_batch] = _for_reading(self.dataset, global_batch)
+        return self._read_as[global_batch]
 
     def evaluate(self, global_batch, shard=(0, 1)):
         def slices():
-            batches = _numpy(self.dataset, self.what, global_batch)  # Any order will do.
+            batches = numpy_batches(self._reading(global_batch), self.what)  # Any order.
             yield from inputs.eval_slices(inputs.cut(self._checked(batches), global_batch),
                                           global_batch, shard, self.what)
 
@@ -164,7 +178,7 @@ class GeneratorSource(_StreamSource):
     def _open(self, epoch, skip, global_batch):
         made = self.make(epoch or 0) if self.takes_epoch else self.make()
         if is_tf_dataset(made):  # A tf.data.Dataset made for the epoch.
-            made = _numpy(made, self.what, global_batch)
+            made = numpy_batches(_for_reading(made, global_batch), self.what)
         try:
             return iter(made), 0
         except TypeError:
@@ -181,18 +195,12 @@ READ_BATCHES = 8
 READ_BYTES = 64 * 2**20
 
 
-def _numpy(dataset, what, global_batch):
-    """An iterator over a tf.data.Dataset's elements as NumPy arrays.
-
-    Given `global_batch`, it reads several global batches' rows at a time
-    (`Dataset.rebatch`, which re-cuts the elements inside tf.data) where every
-    part's shape past the batch axis is known: such reads cannot change shape.
-    An element whose parts hold different numbers of rows then ends the read
-    with one DataError."""
+def _for_reading(dataset, global_batch):
+    """`dataset` re-cut to several global batches' rows per element
+    (`Dataset.rebatch`, inside tf.data) where every part's shape past the batch
+    axis is known, so that such elements cannot change shape; else `dataset`."""
     rows = _read_rows(dataset.element_spec, global_batch)
-    if rows is None:
-        return dataset.as_numpy_iterator()
-    return _rows_checked(dataset.rebatch(rows).as_numpy_iterator(), what)
+    return dataset if rows is None else dataset.rebatch(rows)
 
 
 def _read_rows(spec, global_batch):
@@ -206,17 +214,37 @@ def _read_rows(spec, global_batch):
     return global_batch * max(1, min(READ_BATCHES, READ_BYTES // max(batch_bytes, 1)))
 
 
-def _rows_checked(batches, what):
+def numpy_batches(dataset, what):
+    """An iterator over a tf.data.Dataset's elements as NumPy arrays. An element
+    whose parts hold different numbers of rows (which `rebatch` finds) ends the
+    read with one DataError.
+
+    When the read ends (run out, or dropped at an epoch's step limit), the
+    tf.data iterator is deleted on a thread of its own (`_delete_later`)."""
     import tensorflow as tf
 
+    held = [dataset.as_numpy_iterator()]  # Its only reference, for `_delete_later`.
     try:
-        yield from batches
-    except tf.errors.InvalidArgumentError as error:
-        if "same batch size in each component" not in str(error):
+        yield from held[0]
+    except Exception as error:  # Not GeneratorExit: a generator closed at exit has no tf.errors.
+        if not (isinstance(error, tf.errors.InvalidArgumentError)
+                and "same batch size in each component" in str(error)):
             raise
         detail = str(error).split("}}")[-1].strip().splitlines()[0]
         raise DataError(f"{what}: a batch holds arrays of different lengths ({detail}); x, y "
                         "and the sample weights need one row per example") from None
+    finally:
+        _delete_later(held)
+
+
+def _delete_later(held):
+    """Empties `held`, a list holding the only reference to a tf.data iterator,
+    on a daemon thread, where the iterator is then deleted. Deleting one waits
+    for its autotuning thread to wake, which sleeps for ever longer periods:
+    on a busy CPU that blocked the reading thread for seconds at the end of
+    an epoch (docs/performance.md, "Input pipelines"). The deleting thread
+    holds no Python lock while it waits."""
+    threading.Thread(target=held.clear, name="kdist-delete-iterator", daemon=True).start()
 
 
 def _takes_argument(function):

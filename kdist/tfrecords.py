@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from kdist import data, inputs
+from kdist import data, inputs, pipelines
 from kdist.errors import DataError, UsageError
 
 INDEX = "kdist-records.json"
@@ -205,9 +205,8 @@ class TFRecordSource:
             files = self.files[index::workers] if sharded else self.files
             examples = self._examples(files, [seed, epoch, index if sharded else 0])
             size = global_batch // workers if sharded else global_batch
-            for step, batch in enumerate(self._batches(
-                    examples, size, True, start_step, steps - start_step).as_numpy_iterator(),
-                    start_step):
+            batches = self._batches(examples, size, True, start_step, steps - start_step)
+            for step, batch in enumerate(pipelines.numpy_batches(batches, self.what), start_step):
                 batch, _ = self.check(batch, step)
                 yield batch if sharded else data.take_rows(
                     batch, inputs.worker_rows(global_batch, shard))
@@ -217,7 +216,8 @@ class TFRecordSource:
     def evaluate(self, global_batch, shard=(0, 1)):
         def slices():
             batches = self._batches(self._examples(self.files), global_batch)
-            pairs = (self.check(b, i) for i, b in enumerate(batches.as_numpy_iterator()))
+            pairs = (self.check(b, i)
+                     for i, b in enumerate(pipelines.numpy_batches(batches, self.what)))
             yield from inputs.eval_slices(pairs, global_batch, shard, self.what)
 
         return inputs.Stream(slices())

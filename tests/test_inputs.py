@@ -11,6 +11,7 @@ import os
 import shutil
 import threading
 import time
+import weakref
 
 import keras
 import numpy as np
@@ -443,11 +444,12 @@ def test_tf_data_is_read_several_global_batches_at_a_time_where_shapes_allow():
     ragged = batched.map(lambda a, b: (a[:, :tf.shape(a)[0] % 8 + 1], b))
     assert pipelines._read_rows(ragged.element_spec, 16) is None  # A dimension not known.
     source = inputs.source_for(batched, "train")
-    read = list(pipelines._numpy(batched, "the train data", 16))
+    read = list(pipelines.numpy_batches(pipelines._for_reading(batched, 16), "the train data"))
     assert [len(b[0]) for b in read] == [128, 128, 128, 16]
     np.testing.assert_array_equal(np.concatenate([b[0] for b in read]), x)
     got = [b for b in source.train(16, seed=0, epoch=0, start_step=3)]
     np.testing.assert_array_equal(np.concatenate([b[0] for b in got]), x[48:400])
+    assert source._reading(16) is source._reading(16)  # Made once, not once per epoch.
 
 
 @needs_tf
@@ -460,6 +462,29 @@ def test_tf_data_parts_of_different_lengths_are_one_clear_error():
     source = inputs.source_for(unequal, "train")
     with pytest.raises(DataError, match=r"the train data: .*holds arrays of different lengths"):
         list(source.train(16, seed=0, epoch=0))
+
+
+@needs_tf
+def test_a_tf_data_iterator_left_mid_epoch_is_deleted_off_the_reading_thread(monkeypatch):
+    import tensorflow as tf
+
+    x, y = TRAIN
+    batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(10).prefetch(tf.data.AUTOTUNE)
+    deleted_on, finalizers, hand_over = [], [], pipelines._delete_later
+
+    def watched(held):  # Records the thread on which the iterator is deleted.
+        finalizers.append(weakref.finalize(
+            held[0], lambda: deleted_on.append(threading.current_thread().name)))
+        hand_over(held)
+
+    monkeypatch.setattr(pipelines, "_delete_later", watched)
+    read = pipelines.numpy_batches(batched, "the train data")
+    assert len(next(read)[0]) == 10
+    read.close()  # As at an epoch's step limit: the rest of the epoch is not read.
+    deadline = time.monotonic() + 30
+    while not deleted_on and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert deleted_on == ["kdist-delete-iterator"]
 
 
 def test_an_empty_test_set_fails_before_training():
