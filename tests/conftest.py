@@ -41,6 +41,19 @@ from kdist import data, errors  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Every test starts from the session's environment variables. A command run
+    in this process (`cli.main`) prepares it as for a run (`--replicas 64` sets
+    XLA_FLAGS to 64 devices), which every later test's subprocesses would
+    otherwise inherit."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def small_dataset():
     """Synthetic Fashion-MNIST-shaped data: 512 train, 1,001 test images."""
