@@ -63,6 +63,10 @@ def _quiet_signals(message):
     return decorate
 
 
+# `--synthetic` without N: as many training examples as Fashion-MNIST (and 10,000 test).
+SYNTHETIC_TRAIN = 60_000
+
+
 def _add_common(parser, checkpoints=True):
     if checkpoints:
         add_config_flags(parser, ["checkpoint_dir"])
@@ -70,9 +74,11 @@ def _add_common(parser, checkpoints=True):
                         help="folder with the four Fashion-MNIST IDX .gz files (default: "
                              "the Keras cache, then /usr/share/datasets/fashion-mnist, "
                              "then download)")
-    parser.add_argument("--synthetic", action="store_true",
-                        help="use generated data of Fashion-MNIST's shapes instead of "
-                             "the data set (smoke runs)")
+    parser.add_argument("--synthetic", nargs="?", const=SYNTHETIC_TRAIN, type=positive(int),
+                        metavar="N",
+                        help="use N generated training examples of Fashion-MNIST's shapes "
+                             f"(default {SYNTHETIC_TRAIN:,}) and N/6 test examples instead "
+                             "of the data set (smoke runs)")
     parser.add_argument("--verbose", action="store_true",
                         help="show the framework's start-up logs (TensorFlow, JAX, torch)")
 
@@ -141,7 +147,7 @@ def load_data(args):
 
         return tfrecords.fashion_mnist(args.tfrecords)
     if args.synthetic:
-        return kdist.synthetic_fashion_mnist(seed=0)
+        return kdist.synthetic_fashion_mnist(args.synthetic, max(1, args.synthetic // 6), seed=0)
     return kdist.load_fashion_mnist(args.data_dir)
 
 

@@ -78,9 +78,9 @@ def test_two_bench_workers_train_together_and_only_the_chief_reports(tmp_path, m
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     pins = workerbench.core_groups(os.sched_getaffinity(0), 2) or [None, None]
     peers = ",".join(f"127.0.0.1:{p}" for p in workerbench.launch.free_ports(2))
-    # 64 per replica: the evaluations of the 10,000 test examples take few steps.
-    common = ["--synthetic", "--batch-size-per-replica", "64", "--steps", "2", "--windows", "1",
-              "--steps-per-execution", "2", "--no-peak"]
+    # 6,000 examples, 64 per replica: the evaluations of the 1,000 test examples take few steps.
+    common = ["--synthetic", "6000", "--batch-size-per-replica", "64", "--steps", "2",
+              "--windows", "1", "--steps-per-execution", "2", "--no-peak"]
     commands = [workerbench._command(pins[i], common, "--replicas", "1", "--peers", peers,
                                      "--worker-index", str(i)) for i in range(2)]
     assert commands[0][:2] == [sys.executable, "-c"]

@@ -20,7 +20,9 @@ from test_training import checkpoint_arrays
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 EVALUATE = os.path.join(REPO, "scripts", "evaluate.py")
-SMALL = ["--synthetic", "--batch-size-per-replica", "16", "--replicas", "2", "--seed", "3"]
+# 12,000 generated examples (2,000 test): room for 300 steps of 32, and a short evaluation.
+SMALL = ["--synthetic", "12000", "--batch-size-per-replica", "16", "--replicas", "2",
+         "--seed", "3"]
 
 
 def script(path, *args, env=None, **kwargs):
@@ -89,6 +91,7 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
     assert lines[0].startswith("kdist ") and lines[1].startswith("Replicas: 2 ")
     assert lines[2].startswith("Batch: 16 per replica, 32 global; 300 steps per epoch")
     assert lines[3].startswith("Data: synthetic") and lines[4].endswith("starting fresh")
+    assert lines[3].endswith("(12,000 train, 2,000 test examples)")  # --synthetic 12000.
     assert [line.split(",")[0] for line in lines if line.startswith("Epoch")] == \
         ["Epoch 1/2", "Epoch 2/2"]
     assert re.fullmatch(r"Restored \S+ckpt-00000600.weights.h5 without distribution: "
@@ -118,7 +121,7 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
     assert epoch2[0].split(" (")[0] in resumed.stdout  # Same metrics, timing aside.
 
     restored = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[-1])
-    evaluated = script(EVALUATE, "--synthetic", "--checkpoint-dir", str(tmp_path / "a"))
+    evaluated = script(EVALUATE, "--synthetic", "12000", "--checkpoint-dir", str(tmp_path / "a"))
     assert evaluated.returncode == 0, evaluated.stderr
     assert f"Test Accuracy: {100 * restored['test_accuracy']:.2f}%" in evaluated.stdout
 
@@ -160,7 +163,7 @@ def test_progress_bar_shows_in_a_terminal_and_not_with_quiet(tmp_path):
 
 
 def test_bench_runs_briefly_and_ends_with_its_json_line():
-    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic",
+    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic", "6000",
                     "--replicas", str(SEVERAL),
                     "--batch-size-per-replica", "8", "--steps", "3", "--windows", "2")
     assert result.returncode == 0, result.stderr
@@ -184,7 +187,7 @@ def test_bench_runs_briefly_and_ends_with_its_json_line():
 
 
 def test_bench_measures_several_input_kinds_in_one_process():
-    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic", "--no-fit",
+    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic", "6000", "--no-fit",
                     "--no-peak", "--batch-size-per-replica", "8", "--steps", "3",
                     "--windows", "1", "--input", "pydataset,numpy,pydataset")
     assert result.returncode == 0, result.stderr
@@ -246,7 +249,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
     damage_weights(damaged)
     warning = (f"warning: skipping checkpoint {damaged}: its weights do not match its "
                "checksum (damaged file)\n")
-    evaluated = script(EVALUATE, "--synthetic", "--checkpoint-dir", folder)
+    evaluated = script(EVALUATE, "--synthetic", "12000", "--checkpoint-dir", folder)
     assert evaluated.returncode == 0, evaluated.stderr
     assert evaluated.stderr == warning
     assert evaluated.stdout.startswith(os.path.join(folder, "ckpt-00000003.weights.h5: "))
@@ -299,7 +302,7 @@ def test_a_full_disk_under_the_metrics_file_is_one_line_after_the_checkpoint(
     monkeypatch.setattr(reporting.MetricsWriter, "start", lambda self, history: None)
     os.symlink("/dev/full", tmp_path / "m.jsonl")
     # SEVERAL: on torch, replicas beyond one are processes, which the patch does not reach.
-    small = ["--synthetic", "--batch-size-per-replica", "16", "--replicas", str(SEVERAL)]
+    small = ["--synthetic", "600", "--batch-size-per-replica", "16", "--replicas", str(SEVERAL)]
     code = cli.main(small + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
                              str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
     err = capsys.readouterr().err

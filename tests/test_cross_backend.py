@@ -18,8 +18,9 @@ pytestmark = pytest.mark.cross_backend
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 HELPER = os.path.join(REPO, "tests", "predict_helper.py")
 STEPS = 20
-COMMON = ["--synthetic", "--batch-size-per-replica", "16", "--steps-per-epoch", str(STEPS),
-          "--checkpoint-every", "1", "--seed", "4", "--quiet"]
+# 1,200 generated examples (200 test): 20 steps of up to 32 and a short evaluation.
+COMMON = ["--synthetic", "1200", "--batch-size-per-replica", "16", "--steps-per-epoch",
+          str(STEPS), "--checkpoint-every", "1", "--seed", "4", "--quiet"]
 BACKENDS = ("tensorflow", "jax", "torch")
 
 
@@ -59,7 +60,7 @@ def test_checkpoint_restores_with_identical_predictions_on_the_other_backends(tm
         # Iteration count, learning rate and Adam moments, exactly as the writer holds them.
         np.testing.assert_array_equal(theirs["optimizer_state"], mine["optimizer_state"])
         evaluated = run(other, os.path.join(REPO, "scripts", "evaluate.py"),
-                        "--synthetic", "--checkpoint-dir", folder)
+                        "--synthetic", "1200", "--checkpoint-dir", folder)
         assert restored_line.split(": ")[-1] in evaluated, other  # ...equals the other's.
 
 

@@ -24,8 +24,9 @@ from test_training import checkpoint_arrays
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 LAUNCH = os.path.join(REPO, "scripts", "launch.py")
 # SGD: a wrongly combined gradient shows in the weights (Adam would normalise it away).
-COMMON = ["--synthetic", "--steps-per-epoch", "3", "--checkpoint-every", "1", "--seed", "5",
-          "--optimizer", "sgd", "--learning-rate", "0.1", "--quiet"]
+# 1,200 generated examples (200 test): 3 steps of 16 and a short evaluation.
+COMMON = ["--synthetic", "1200", "--steps-per-epoch", "3", "--checkpoint-every", "1", "--seed",
+          "5", "--optimizer", "sgd", "--learning-rate", "0.1", "--quiet"]
 
 
 def environment(tmp_path):
