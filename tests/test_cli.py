@@ -49,6 +49,7 @@ def test_help_documents_every_flag(capsys):
     (["--batch-size-per-replica", "-4"], "--batch-size-per-replica: must be greater than 0"),
     (["--learning-rate", "0"], "--learning-rate: must be greater than 0"),
     (["--replicas", "two"], "--replicas: expected a number"),
+    (["--synthetic", "0"], "--synthetic: must be greater than 0"),
 ])
 def test_bad_flags_exit_2_with_the_reason(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
