@@ -9,7 +9,7 @@ Evaluation time is the second full pass over the test set (the first compiles).
 With several precisions (`kdist.precision`) each is measured in turn, kdist
 then fit, and gets one row of the table and one JSON line; peak memory is
 the process's, so a later row's includes the earlier ones'. With several
-input kinds (`input_source`: the same arrays given directly, or through
+input kinds (`kdist.benchinputs`: the same arrays given directly, or through
 tf.data, a PyDataset or Grain) one kdist model takes them in turn, epoch by
 epoch, one row each, and `fit` (which always takes the arrays) is measured
 once per precision: the kinds compare in one process, under the same
@@ -32,11 +32,11 @@ import statistics
 import time
 
 import keras
-import numpy as np
 
-from kdist import building, cpuinfo, data, engines, inputs, resnet
+from kdist import building, cpuinfo, data, engines, resnet
 from kdist import replicas as replica_processes
 from kdist.steps import evaluate_source, run_steps, zero_totals
+from kdist.benchinputs import input_source
 from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.model import create_model
 from kdist.errors import UsageError
@@ -58,63 +58,6 @@ def summarize_epochs(seconds, samples_per_epoch):
     epoch's time (their spread shows how steady the machine was)."""
     return dict(first_epoch_seconds=seconds[0], epoch_seconds=list(seconds),
                 samples_per_sec=statistics.median(samples_per_epoch / s for s in seconds[1:]))
-
-
-def input_source(kind, arrays, global_batch, split):
-    """The kdist source (`kdist.inputs`) of split `split`'s arrays (x, y,
-    sample_weight) given as `kind` (one of `kdist.config.BENCH_INPUTS`), in batches of
-    `global_batch`.
-
-    Every pipeline does per batch what the NumPy path does: it gathers the
-    batch's rows, a fixed random set of `global_batch` rows (the last batch
-    holds the rest), and shuffles the order of the batches each epoch
-    (tf.data's and Grain's own shuffle; kdist's for a PyDataset). So the
-    comparison weighs how kdist takes each kind. A shuffle of single examples
-    (the tutorial's `shuffle(buffer)` before `batch`, Grain's `shuffle` before
-    `batch`) adds the pipeline's own cost per example, for `fit` as for kdist
-    (docs/performance.md, "Input pipelines").
-    """
-    x, y, weights = arrays
-    if kind == "numpy":
-        return inputs.ArraySource(x, y, weights, f"the {split} data")
-    order = np.random.default_rng(0).permutation(len(x))
-    full, batches = len(x) // global_batch, -(-len(x) // global_batch)
-
-    def rows(order, batch):  # A NumPy array or a tf.Tensor of row indices.
-        return order[batch * global_batch:(batch + 1) * global_batch]
-
-    if kind == "tfdata":
-        import tensorflow as tf
-
-        images, labels, table = tf.constant(x), tf.constant(y), tf.constant(order)
-        given = (tf.data.Dataset.range(full).shuffle(full, seed=0)
-                 .concatenate(tf.data.Dataset.range(full, batches))
-                 .map(lambda batch: (tf.gather(images, rows(table, batch)),
-                                     tf.gather(labels, rows(table, batch))))
-                 .prefetch(tf.data.AUTOTUNE))
-    elif kind == "pydataset":
-        given = _Batches(batches, lambda batch: (x[rows(order, batch)], y[rows(order, batch)]))
-    else:
-        import grain
-
-        given = grain.MapDataset.concatenate([grain.MapDataset.range(full).shuffle(seed=0),
-                                              grain.MapDataset.range(full, batches)])
-        given = given.map(lambda batch: (x[rows(order, batch)], y[rows(order, batch)]))
-    return inputs.source_for(given, split)
-
-
-class _Batches(keras.utils.PyDataset):
-    """`count` batches, batch `index` being `get(index)`."""
-
-    def __init__(self, count, get):
-        super().__init__()
-        self.count, self.get = count, get
-
-    def __len__(self):
-        return self.count
-
-    def __getitem__(self, index):
-        return self.get(index)
 
 
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,

@@ -2,7 +2,7 @@
 
     python scripts/tfdata_delete_check.py [--epochs 8] [--busy-threads 2]
 
-Reads whole epochs of the benchmark's tf.data pipeline (`kdist.bench.input_source`,
+Reads whole epochs of the benchmark's tf.data pipeline (`kdist.benchinputs.input_source`,
 read as kdist reads it) while threads keep the cores busy with matmuls, as a
 training step does, and prints per epoch how long deleting the exhausted
 iterator took on the reading thread, and, for comparison, with
@@ -23,7 +23,7 @@ with startup.native_logs_silenced():
     import numpy as np
     import tensorflow as tf
 
-    from kdist import bench, pipelines
+    from kdist import benchinputs, pipelines
     from kdist.flags import positive
 
 
@@ -53,7 +53,7 @@ def main(argv=None):
         threading.Thread(target=keep_busy, daemon=True).start()
     rng = np.random.default_rng(0)
     x, y = rng.random((60000, 28, 28, 1), np.float32), rng.integers(0, 10, 60000)
-    source = bench.input_source("tfdata", (x, y, None), 64, "train")
+    source = benchinputs.input_source("tfdata", (x, y, None), 64, "train")
     dataset = pipelines._for_reading(source.dataset, 64)
     no_autotune = tf.data.Options()
     no_autotune.autotune.enabled = False

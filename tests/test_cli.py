@@ -371,13 +371,13 @@ def test_bench_feeds_each_input_kind_every_example(kind):
     needs = {"tfdata": "tensorflow", "grain": "grain"}.get(kind)
     if needs and importlib.util.find_spec(needs) is None:
         pytest.skip(f"--input {kind} needs {needs}, not installed here")
-    from kdist import bench
+    from kdist import benchinputs
 
     dataset = kdist.synthetic_fashion_mnist(num_train=100, num_test=50)
-    train = bench.input_source(kind, dataset.split("train"), 32, "train")
+    train = benchinputs.input_source(kind, dataset.split("train"), 32, "train")
     rows = {row.tobytes(): i for i, row in enumerate(dataset.train_x)}
     seen = [rows[row.tobytes()] for b in train.train(32, seed=0, epoch=0) for row in b[0]]
     assert len(seen) == len(set(seen)) == 96  # Distinct training examples.
     rows = {row.tobytes(): i for i, row in enumerate(dataset.test_x)}
-    test = bench.input_source(kind, dataset.split("test"), 32, "test").evaluate(32)
+    test = benchinputs.input_source(kind, dataset.split("test"), 32, "test").evaluate(32)
     assert sorted(rows[row.tobytes()] for b, _ in test for row in b[0]) == list(range(50))
