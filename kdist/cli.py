@@ -172,11 +172,7 @@ def _start(args, replicas=None):
     """Sets devices, log levels and warning lines, then imports the frameworks (quietly)."""
     warnings.showwarning = _show_warning
     startup.prepare_environment(replicas, args.verbose)
-    with startup.native_logs_silenced(not args.verbose):
-        importlib.import_module("keras")  # Loads the backend now, notices hidden.
-        if importlib.util.find_spec("tensorflow"):
-            # Keras on any backend loads TF when it is installed (seeding, tf.data).
-            importlib.import_module("tensorflow")
+    startup.load_frameworks(quiet=not args.verbose)
 
 
 def _check_paths(args):

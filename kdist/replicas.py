@@ -39,7 +39,7 @@ from multiprocessing import connection
 
 import cloudpickle
 
-from kdist import cluster, interrupt, launch
+from kdist import cluster, interrupt, launch, startup
 from kdist.errors import Interrupted, KdistError, TrainingError, UsageError
 
 GRACE_SECONDS = 30.0  # For the others to stop once one process has failed.
@@ -210,6 +210,9 @@ def replica_main():
 
     try:
         with interrupt.stop_on_signals(stop, escalate=False):  # `run` ends it if need be.
+            # Start-up notices hidden as in the parent, whose
+            # `startup.prepare_environment` sets TF_CPP_MIN_LOG_LEVEL unless --verbose.
+            startup.load_frameworks(quiet="TF_CPP_MIN_LOG_LEVEL" in os.environ)
             with open(payload, "rb") as f:
                 sys.path[:] = pickle.load(f)
                 warnings.showwarning = pickle.load(f)

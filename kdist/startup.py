@@ -7,6 +7,8 @@ precede its first op. So `prepare_environment` runs first thing.
 """
 
 import contextlib
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -113,6 +115,16 @@ def set_host_device_count(count):
     """Asks XLA for `count` CPU devices (a no-op for GPUs), keeping other flags."""
     flags = re.sub(rf"{_COUNT_FLAG}=\d+", "", os.environ.get("XLA_FLAGS", "")).split()
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"{_COUNT_FLAG}={count}"])
+
+
+def load_frameworks(quiet=True):
+    """Imports Keras, which loads its backend, and TensorFlow where installed
+    (Keras on any backend loads it for seeding and tf.data), their start-up
+    notices hidden when `quiet` (`native_logs_silenced`)."""
+    with native_logs_silenced(quiet):
+        importlib.import_module("keras")
+        if importlib.util.find_spec("tensorflow"):
+            importlib.import_module("tensorflow")
 
 
 @contextlib.contextmanager
