@@ -14,7 +14,7 @@ import sys
 import warnings
 
 import kdist
-from kdist import checks, cluster, config, data, errors, interrupt, launch, startup
+from kdist import checks, cluster, config, errors, interrupt, launch, startup
 from kdist.flags import add_config_flags, config_from_args, names, positive
 
 
@@ -63,6 +63,10 @@ def _quiet_signals(message):
     return decorate
 
 
+# `--synthetic` without N: as many training examples as Fashion-MNIST (and 10,000 test).
+SYNTHETIC_TRAIN = 60_000
+
+
 def _add_common(parser, checkpoints=True):
     if checkpoints:
         add_config_flags(parser, ["checkpoint_dir"])
@@ -70,10 +74,10 @@ def _add_common(parser, checkpoints=True):
                         help="folder with the four Fashion-MNIST IDX .gz files (default: "
                              "the Keras cache, then /usr/share/datasets/fashion-mnist, "
                              "then download)")
-    parser.add_argument("--synthetic", nargs="?", const=data.SYNTHETIC_TRAIN, type=positive(int),
+    parser.add_argument("--synthetic", nargs="?", const=SYNTHETIC_TRAIN, type=positive(int),
                         metavar="N",
                         help="use N generated training examples of Fashion-MNIST's shapes "
-                             f"(default {data.SYNTHETIC_TRAIN:,}) and N/6 test examples instead "
+                             f"(default {SYNTHETIC_TRAIN:,}) and N/6 test examples instead "
                              "of the data set (smoke runs)")
     parser.add_argument("--verbose", action="store_true",
                         help="show the framework's start-up logs (TensorFlow, JAX, torch)")
@@ -175,6 +179,8 @@ def _check_paths(args):
     """Checks the output files and the data folder before the frameworks load."""
     checks.check_metrics_file(args.metrics_file)
     if args.data_dir is not None and not args.synthetic:
+        from kdist import data
+
         data.check_data_dir(args.data_dir)
 
 

@@ -194,11 +194,7 @@ def load_fashion_mnist(data_dir=None):
     return _normalise(arrays, source=keras_cache_dir() + " (downloaded)")
 
 
-# Generated examples by default: as many as Fashion-MNIST has.
-SYNTHETIC_TRAIN, SYNTHETIC_TEST = 60_000, 10_000
-
-
-def synthetic_fashion_mnist(num_train=SYNTHETIC_TRAIN, num_test=SYNTHETIC_TEST, seed=0):
+def synthetic_fashion_mnist(num_train=60000, num_test=10000, seed=0):
     """Random data of Fashion-MNIST's shapes that a CNN can partly learn
     (`synthetic_images`)."""
     return synthetic_images(num_train, num_test, seed, IMAGE_SHAPE)
