@@ -1,0 +1,99 @@
+"""kdist's whole training run against Keras `fit` on the same batches, epoch by epoch.
+
+    KERAS_BACKEND=tensorflow python scripts/fit_order_check.py [--epochs 10] [--seed 0]
+        [--precision float32|mixed_bfloat16|mixed_float16] [--synthetic N]
+
+Trains the tutorial's CNN (Adam 1e-3, batch 64, one replica) with
+`kdist.train_and_evaluate`, then trains a second model from the same initial
+weights with `fit`, fed each epoch's batches in the order kdist used
+(`kdist.data.train_batches`' permutation of (seed, epoch), full batches only),
+and prints both test accuracies after every epoch and their largest
+difference. The tests compare single steps and short runs; this script
+compares a whole run, so that a run's final accuracy (one seed's 89.73% in
+docs/performance.md) can be told apart from a difference between kdist and
+`fit`: equal columns mean `fit` ends where kdist ends on that data order.
+"""
+
+import argparse
+import json
+import tempfile
+
+from kdist import startup
+from kdist.config import TrainConfig
+from kdist.flags import positive, seed
+from kdist.precision import PRECISIONS
+
+startup.prepare_environment()
+with startup.native_logs_silenced():
+    import keras
+    import numpy as np
+
+    import kdist
+    from kdist import data
+    from kdist.model import create_model
+    from kdist.precision import policy
+
+
+def compiled_cnn(initial_weights):
+    """The tutorial's CNN and optimizer; appends its initial weights to `initial_weights`."""
+    model = create_model()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    initial_weights.append(model.get_weights())
+    return model
+
+
+def kdist_accuracies(dataset, epochs, seed, precision, initial_weights):
+    with tempfile.TemporaryDirectory() as checkpoint_dir:
+        config = TrainConfig(epochs=epochs, seed=seed, precision=precision,
+                             checkpoint_dir=checkpoint_dir, checkpoint_every=epochs)
+        result = kdist.train_and_evaluate(config, dataset,
+                                          model_fn=lambda: compiled_cnn(initial_weights))
+    return [epoch["test_accuracy"] for epoch in result["history"]]
+
+
+def fit_accuracies(dataset, epochs, seed, precision, weights):
+    """`fit` from `weights`, one call per epoch on kdist's batches of that epoch, in order."""
+    if keras.backend.backend() == "jax":
+        keras.distribution.set_distribution(None)  # kdist's engine set one; fit runs without.
+    with policy(precision):
+        model = compiled_cnn([])
+    model.set_weights(weights)
+    batch = TrainConfig.batch_size_per_replica
+    count = data.num_examples(dataset.train_x)
+    rows = data.steps_per_epoch(count, batch) * batch
+    accuracies = []
+    for epoch in range(epochs):
+        order = np.random.default_rng([seed, epoch]).permutation(count)[:rows]
+        model.fit(dataset.train_x[order], dataset.train_y[order], batch_size=batch, epochs=1,
+                  shuffle=False, verbose=0)
+        accuracies.append(model.evaluate(dataset.test_x, dataset.test_y, batch_size=batch,
+                                         verbose=0, return_dict=True)["accuracy"])
+    return accuracies
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--epochs", type=positive(int), default=TrainConfig.epochs)
+    parser.add_argument("--seed", type=seed, default=TrainConfig.seed)
+    parser.add_argument("--precision", choices=PRECISIONS, default=TrainConfig.precision)
+    parser.add_argument("--synthetic", type=positive(int), metavar="N",
+                        help="N generated training examples (N/6 test) instead of Fashion-MNIST")
+    args = parser.parse_args(argv)
+    dataset = (data.synthetic_fashion_mnist(args.synthetic, max(args.synthetic // 6, 1))
+               if args.synthetic else data.load_fashion_mnist())
+    initial_weights = []
+    ours = kdist_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights)
+    theirs = fit_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights[0])
+    print("epoch  kdist test accuracy  fit test accuracy (same batches)")
+    for epoch, (a, b) in enumerate(zip(ours, theirs), 1):
+        print(f"{epoch:5d}  {100 * a:18.2f}%  {100 * b:16.2f}%")
+    gap = max(abs(a - b) for a, b in zip(ours, theirs))
+    print(f"largest difference: {100 * gap:.2f} points")
+    print(json.dumps({"backend": keras.backend.backend(), "seed": args.seed,
+                      "precision": args.precision, "kdist": ours, "fit": theirs}))
+
+
+if __name__ == "__main__":
+    main()
