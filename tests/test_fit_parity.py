@@ -4,7 +4,8 @@ Each test builds the same compiled model twice from the same weights: once on
 a kdist engine with 1, 2 or 4 replicas, once for Keras on one device (no
 distribution), and compares one SGD step (plain SGD: its step is linear in
 the gradient, so a wrong scale shows) or the evaluation of a test set whose
-size divides by no global batch.
+size divides by no global batch; one test compares a whole run of
+`train_and_evaluate` with `fit` fed the same batches, epoch by epoch.
 """
 
 import keras
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from helpers import prepare
+import kdist
+from helpers import SEVERAL, prepare
 from kdist import data, engines, steps
 
 REPLICAS = [1, 2, 4]
@@ -255,3 +257,36 @@ def test_your_own_loss_trains_as_keras_compute_loss_does_in_fit(replicas):
     reference = on_keras(lambda: own_loss_classifier(OwnLossModel), start)
     reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     assert_close(model.get_weights(), reference.get_weights(), 1e-6)
+
+
+@pytest.mark.parametrize("replicas", sorted({1, SEVERAL}))
+def test_a_whole_run_ends_where_fit_ends_on_the_same_batches(replicas, tmp_path):
+    """Three epochs of `train_and_evaluate` (chunks of 4 steps, the last one
+    short) against `fit`, one call per epoch on kdist's batches of that epoch
+    in kdist's order (a permutation of (seed, epoch), full batches only): the
+    whole loop, not one step, equals `fit` epoch by epoch."""
+    x, y = classification_data(1000, seed=4)  # 15 global batches of 64, 40 rows left over.
+    test_x, test_y = classification_data(301, seed=5)
+    seed, epochs, built = 3, 3, []
+
+    def model_fn():
+        model = regularized_classifier()
+        built.append([np.array(w) for w in model.get_weights()])
+        return model
+
+    config = kdist.TrainConfig(epochs=epochs, seed=seed, replicas=replicas,
+                               batch_size_per_replica=BATCH // replicas,
+                               steps_per_execution=4, checkpoint_dir=str(tmp_path))
+    history = kdist.train_and_evaluate(config, kdist.Dataset(x, y, test_x, test_y, "toy"),
+                                       model_fn=model_fn, log=lambda line: None)["history"]
+    reference = on_keras(regularized_classifier, built[0])
+    rows = data.steps_per_epoch(len(x), BATCH) * BATCH
+    for epoch, ours in enumerate(history):
+        order = np.random.default_rng([seed, epoch]).permutation(len(x))[:rows]
+        fitted = reference.fit(x[order], y[order], batch_size=BATCH, epochs=1, shuffle=False,
+                               verbose=0).history
+        theirs = reference.evaluate(test_x, test_y, batch_size=BATCH, verbose=0,
+                                    return_dict=True)
+        assert ours["train_loss"] == pytest.approx(fitted["loss"][0], rel=1e-5), epoch
+        assert ours["test_loss"] == pytest.approx(theirs["loss"], rel=1e-5), epoch
+        assert ours["test_accuracy"] == pytest.approx(theirs["accuracy"], abs=1e-6), epoch
