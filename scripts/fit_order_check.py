@@ -2,6 +2,7 @@
 
     KERAS_BACKEND=tensorflow python scripts/fit_order_check.py [--epochs 10] [--seed 0]
         [--precision float32|mixed_bfloat16|mixed_float16] [--synthetic N]
+        [--repeat-first-order]
 
 Trains the tutorial's CNN (Adam 1e-3, batch 64, one replica) with
 `kdist.train_and_evaluate`, then trains a second model from the same initial
@@ -12,6 +13,9 @@ difference. The tests compare single steps and short runs; this script
 compares a whole run, so that a run's final accuracy (one seed's 89.73% in
 docs/performance.md) can be told apart from a difference between kdist and
 `fit`: equal columns mean `fit` ends where kdist ends on that data order.
+`--repeat-first-order` feeds `fit` epoch 1's batches in every epoch, as
+`fit` on TensorFlow orders arrays after `keras.utils.set_random_seed`, to
+measure what that costs.
 """
 
 import argparse
@@ -53,8 +57,9 @@ def kdist_accuracies(dataset, epochs, seed, precision, initial_weights):
     return [epoch["test_accuracy"] for epoch in result["history"]]
 
 
-def fit_accuracies(dataset, epochs, seed, precision, weights):
-    """`fit` from `weights`, one call per epoch on kdist's batches of that epoch, in order."""
+def fit_accuracies(dataset, epochs, seed, precision, weights, repeat_first_order=False):
+    """`fit` from `weights`, one call per epoch on kdist's batches of that epoch (or
+    of the first epoch), in order."""
     if keras.backend.backend() == "jax":
         keras.distribution.set_distribution(None)  # kdist's engine set one; fit runs without.
     with policy(precision):
@@ -65,7 +70,8 @@ def fit_accuracies(dataset, epochs, seed, precision, weights):
     rows = data.steps_per_epoch(count, batch) * batch
     accuracies = []
     for epoch in range(epochs):
-        order = np.random.default_rng([seed, epoch]).permutation(count)[:rows]
+        drawn_for = 0 if repeat_first_order else epoch
+        order = np.random.default_rng([seed, drawn_for]).permutation(count)[:rows]
         model.fit(dataset.train_x[order], dataset.train_y[order], batch_size=batch, epochs=1,
                   shuffle=False, verbose=0)
         accuracies.append(model.evaluate(dataset.test_x, dataset.test_y, batch_size=batch,
@@ -75,24 +81,33 @@ def fit_accuracies(dataset, epochs, seed, precision, weights):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--epochs", type=positive(int), default=TrainConfig.epochs)
-    parser.add_argument("--seed", type=seed, default=TrainConfig.seed)
-    parser.add_argument("--precision", choices=PRECISIONS, default=TrainConfig.precision)
+    parser.add_argument("--epochs", type=positive(int), default=TrainConfig.epochs,
+                        help="epochs of each run (default %(default)s)")
+    parser.add_argument("--seed", type=seed, default=TrainConfig.seed,
+                        help="kdist's seed: initial weights and data order (default %(default)s)")
+    parser.add_argument("--precision", choices=PRECISIONS, default=TrainConfig.precision,
+                        help="the dtype policy of both models (default %(default)s)")
     parser.add_argument("--synthetic", type=positive(int), metavar="N",
                         help="N generated training examples (N/6 test) instead of Fashion-MNIST")
+    parser.add_argument("--repeat-first-order", action="store_true",
+                        help="feed fit the first epoch's batches in every epoch")
     args = parser.parse_args(argv)
     dataset = (data.synthetic_fashion_mnist(args.synthetic, max(args.synthetic // 6, 1))
                if args.synthetic else data.load_fashion_mnist())
     initial_weights = []
     ours = kdist_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights)
-    theirs = fit_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights[0])
-    print("epoch  kdist test accuracy  fit test accuracy (same batches)")
+    theirs = fit_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights[0],
+                            args.repeat_first_order)
+    batches = "epoch 1's batches" if args.repeat_first_order else "same batches"
+    print(f"epoch  kdist test accuracy  fit test accuracy ({batches})")
     for epoch, (a, b) in enumerate(zip(ours, theirs), 1):
         print(f"{epoch:5d}  {100 * a:18.2f}%  {100 * b:16.2f}%")
     gap = max(abs(a - b) for a, b in zip(ours, theirs))
     print(f"largest difference: {100 * gap:.2f} points")
     print(json.dumps({"backend": keras.backend.backend(), "seed": args.seed,
-                      "precision": args.precision, "kdist": ours, "fit": theirs}))
+                      "precision": args.precision,
+                      "repeat_first_order": args.repeat_first_order,
+                      "kdist": ours, "fit": theirs}))
 
 
 if __name__ == "__main__":
