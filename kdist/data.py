@@ -194,9 +194,12 @@ def load_fashion_mnist(data_dir=None):
     return _normalise(arrays, source=keras_cache_dir() + " (downloaded)")
 
 
-def synthetic_fashion_mnist(num_train=60000, num_test=10000, seed=0):
+def synthetic_fashion_mnist(num_train=60000, num_test=None, seed=0):
     """Random data of Fashion-MNIST's shapes that a CNN can partly learn
-    (`synthetic_images`)."""
+    (`synthetic_images`); `num_test` None: a sixth of `num_train` (at least 1),
+    Fashion-MNIST's 10,000 for its 60,000."""
+    if num_test is None:
+        num_test = max(1, num_train // 6)
     return synthetic_images(num_train, num_test, seed, IMAGE_SHAPE)
 
 
@@ -280,6 +283,12 @@ def steps_per_epoch(num_examples, global_batch_size, limit=None):
     return steps if limit is None else min(steps, limit)
 
 
+def epoch_order(count, seed, epoch):
+    """The order of `count` items (examples, or a PyDataset's batches) in epoch
+    `epoch`: a permutation that depends only on (seed, epoch)."""
+    return np.random.default_rng([seed, epoch]).permutation(count)
+
+
 def train_batches(x, y, sample_weight, global_batch_size, *, seed, epoch, steps,
                   start_step=0, shard=(0, 1)):
     """Yields the shuffled global batches of one epoch as (x, y, sample_weight).
@@ -288,7 +297,7 @@ def train_batches(x, y, sample_weight, global_batch_size, *, seed, epoch, steps,
     batches as an uninterrupted one. `shard=(index, count)` yields only this
     process's contiguous slice of each global batch.
     """
-    order = np.random.default_rng([seed, epoch]).permutation(num_examples(x))
+    order = epoch_order(num_examples(x), seed, epoch)
     index, count = shard
     local = global_batch_size // count
     for step in range(start_step, steps):

@@ -61,7 +61,7 @@ class PyDatasetSource(inputs.SizedSource):
     def _order(self, seed, epoch):
         """The batches in the order epoch `epoch` reads them: shuffled by (seed, epoch),
         as fit shuffles a PyDataset's batches."""
-        return np.random.default_rng([seed, epoch]).permutation(len(self.sizes))
+        return data.epoch_order(len(self.sizes), seed, epoch)
 
     def size(self):
         return int(self.sizes.sum())

@@ -7,9 +7,8 @@
 Trains the tutorial's CNN (Adam 1e-3, batch 64, one replica) with
 `kdist.train_and_evaluate`, then trains a second model from the same initial
 weights with `fit`, fed each epoch's batches in the order kdist used
-(`kdist.data.train_batches`' permutation of (seed, epoch), full batches only),
-and prints both test accuracies after every epoch and their largest
-difference. The tests compare single steps and short runs; this script
+(`kdist.data.epoch_order`, full batches only), and prints both test
+accuracies after every epoch and their largest difference. The tests compare single steps and short runs; this script
 compares a whole run, so that a run's final accuracy (one seed's 89.73% in
 docs/performance.md) can be told apart from a difference between kdist and
 `fit`: equal columns mean `fit` ends where kdist ends on that data order.
@@ -30,7 +29,6 @@ from kdist.precision import PRECISIONS
 startup.prepare_environment()
 with startup.native_logs_silenced():
     import keras
-    import numpy as np
 
     import kdist
     from kdist import data
@@ -71,7 +69,7 @@ def fit_accuracies(dataset, epochs, seed, precision, weights, repeat_first_order
     accuracies = []
     for epoch in range(epochs):
         drawn_for = 0 if repeat_first_order else epoch
-        order = np.random.default_rng([seed, drawn_for]).permutation(count)[:rows]
+        order = data.epoch_order(count, seed, drawn_for)[:rows]
         model.fit(dataset.train_x[order], dataset.train_y[order], batch_size=batch, epochs=1,
                   shuffle=False, verbose=0)
         accuracies.append(model.evaluate(dataset.test_x, dataset.test_y, batch_size=batch,
@@ -92,8 +90,8 @@ def main(argv=None):
     parser.add_argument("--repeat-first-order", action="store_true",
                         help="feed fit the first epoch's batches in every epoch")
     args = parser.parse_args(argv)
-    dataset = (data.synthetic_fashion_mnist(args.synthetic, max(args.synthetic // 6, 1))
-               if args.synthetic else data.load_fashion_mnist())
+    dataset = (data.synthetic_fashion_mnist(args.synthetic) if args.synthetic
+               else data.load_fashion_mnist())
     initial_weights = []
     ours = kdist_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights)
     theirs = fit_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights[0],

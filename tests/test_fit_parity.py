@@ -282,7 +282,7 @@ def test_a_whole_run_ends_where_fit_ends_on_the_same_batches(replicas, tmp_path)
     reference = on_keras(regularized_classifier, built[0])
     rows = data.steps_per_epoch(len(x), BATCH) * BATCH
     for epoch, ours in enumerate(history):
-        order = np.random.default_rng([seed, epoch]).permutation(len(x))[:rows]
+        order = data.epoch_order(len(x), seed, epoch)[:rows]
         fitted = reference.fit(x[order], y[order], batch_size=BATCH, epochs=1, shuffle=False,
                                verbose=0).history
         theirs = reference.evaluate(test_x, test_y, batch_size=BATCH, verbose=0,
