@@ -147,7 +147,11 @@ def load_data(args):
 
         return tfrecords.fashion_mnist(args.tfrecords)
     if args.synthetic:
-        return kdist.synthetic_fashion_mnist(args.synthetic, max(1, args.synthetic // 6), seed=0)
+        try:
+            return kdist.synthetic_fashion_mnist(args.synthetic, seed=0)
+        except MemoryError as error:  # NumPy's names the size: "Unable to allocate 74.5 GiB ..."
+            raise errors.UsageError(f"--synthetic {args.synthetic:,}: more examples than this "
+                                    f"machine's memory holds ({error})") from None
     return kdist.load_fashion_mnist(args.data_dir)
 
 

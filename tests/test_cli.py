@@ -58,6 +58,19 @@ def test_bad_flags_exit_2_with_the_reason(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_more_synthetic_examples_than_memory_holds_exit_2_with_the_reason(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--synthetic", str(10 ** 13), "--checkpoint-dir", str(tmp_path / "ck")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    # As argparse reports a bad flag: the usage, then one line with the reason.
+    assert err.splitlines()[-1].endswith(
+        "error: --synthetic 10,000,000,000,000: more examples than this machine's memory "
+        "holds (Unable to allocate 72.8 TiB for an array with shape (10000000000000,) and "
+        "data type int64)"), err
+    assert "Traceback" not in err and not (tmp_path / "ck").exists()
+
+
 def test_unknown_backend_exits_2(monkeypatch, capsys):
     monkeypatch.setenv("KERAS_BACKEND", "numpy")
     with pytest.raises(SystemExit) as exit_:
