@@ -1,4 +1,4 @@
-"""kdist: one custom Keras 3 training loop, data-parallel on TensorFlow and JAX.
+"""kdist: one custom Keras 3 training loop, data-parallel on TensorFlow, JAX and PyTorch.
 
 The public API is what this module exports. `import kdist` loads no
 framework, so `kdist.prepare_environment(replicas=N)` can still set device
@@ -12,18 +12,18 @@ __version__ = "0.1.0"
 _LAZY = {
     "TrainConfig": "kdist.config",
     "OPTIMIZERS": "kdist.config",
-    "train_and_evaluate": "kdist.training",
-    "evaluate_checkpoint": "kdist.training",
-    "create_model": "kdist.model",
-    "Dataset": "kdist.data",
-    "Inputs": "kdist.inputs",
-    "TFRecords": "kdist.tfrecords",
-    "load_fashion_mnist": "kdist.data",
-    "synthetic_fashion_mnist": "kdist.data",
+    "train_and_evaluate": "kdist.loop.training",
+    "evaluate_checkpoint": "kdist.loop.training",
+    "create_model": "kdist.models.cnn",
+    "Dataset": "kdist.inputs.arrays",
+    "Inputs": "kdist.inputs.sources",
+    "TFRecords": "kdist.inputs.tfrecords",
+    "load_fashion_mnist": "kdist.datasets.fashion_mnist",
+    "synthetic_fashion_mnist": "kdist.datasets.fashion_mnist",
     "latest_checkpoint": "kdist.checkpoints",
-    "StopRequest": "kdist.interrupt",
-    "stop_on_signals": "kdist.interrupt",
-    "prepare_environment": "kdist.startup",
+    "StopRequest": "kdist.workers.interrupt",
+    "stop_on_signals": "kdist.workers.interrupt",
+    "prepare_environment": "kdist.runtime.startup",
     # Errors, all `KdistError`s (kdist.errors, which loads no framework).
     "KdistError": "kdist.errors",
     "UsageError": "kdist.errors",

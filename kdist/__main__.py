@@ -2,7 +2,7 @@
 
 import sys
 
-from kdist import cli  # Imports no framework: the flags set devices first.
+from kdist.cli import train  # Imports no framework: the flags set devices first.
 
 if __name__ == "__main__":
-    sys.exit(cli.main())
+    sys.exit(train.main())

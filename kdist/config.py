@@ -4,7 +4,7 @@ Each `TrainConfig` field carries its command-line help in its metadata
 (`"help"`, and `"flag"` where the flag is not `--` plus the field name with
 dashes, or None where the field has no flag), so `kdist.cli` derives the
 train flags from the fields; other callers (`evaluate_checkpoint`,
-`kdist.bench`) take their defaults from `TrainConfig`'s class attributes.
+`kdist.bench.measure`) take their defaults from `TrainConfig`'s class attributes.
 `OPTIMIZERS` is the registry behind `--optimizer`.
 
 Importing this module imports no framework: the command line builds its
@@ -17,10 +17,10 @@ import dataclasses
 from kdist import checks
 from kdist.precision import DEFAULT_PRECISION, PRECISIONS
 
-BENCH_WINDOWS = 4  # Steady epochs `kdist.bench` times after the first.
+BENCH_WINDOWS = 4  # Steady epochs `kdist.bench.measure` times after the first.
 # How kdist-bench feeds kdist (`--input`): the arrays, or the same arrays through a pipeline.
 BENCH_INPUTS = ("numpy", "tfdata", "pydataset", "grain")
-# kdist-bench --model's choices (`kdist.bench.MODELS`).
+# kdist-bench --model's choices (`kdist.bench.measure.MODELS`).
 BENCH_MODELS = ("cnn", "cnn-stock", "resnet20")
 
 

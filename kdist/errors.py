@@ -8,7 +8,7 @@ also keeps the built-in base it had before the hierarchy existed
 
 Importing this module imports no framework: the command line needs these
 classes before TensorFlow or JAX load. The classes are also importable from
-the modules that raise them (`kdist.startup.UsageError`, `kdist.data.DataError`, ...).
+the modules that raise them (`kdist.runtime.startup.UsageError`, `kdist.errors.DataError`, ...).
 
     KdistError
     ├── UsageError         a flag or setting to change (the CLI: exit status 2)

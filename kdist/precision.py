@@ -10,10 +10,10 @@
   the summed gradients and skips a step whose gradients are not finite).
 
 `policy(precision)` sets Keras' global policy while `model_fn` builds and
-compiles the model (`kdist.building.build`) and restores the caller's policy
+compiles the model (`kdist.loop.building.build`) and restores the caller's policy
 afterwards. Layers keep the policy they were created with, so a user's layer
 with its own `dtype=` keeps it. Variables stay float32 under every policy,
-so checkpoints move between precisions (`kdist.ckptfile.load`).
+so checkpoints move between precisions (`kdist.checkpoints.ckptfile.load`).
 
 Importing this module imports no framework: the command line checks the
 flag before TensorFlow or JAX load.

@@ -47,7 +47,7 @@ class Position:
 
     epoch: int = 0  # The epoch in progress, counted from 0.
     step_in_epoch: int = 0  # Its steps done.
-    totals: dict | None = None  # Their summed statistics (`kdist.steps`), arrays by key.
+    totals: dict | None = None  # Their summed statistics (`kdist.loop.chunks`), arrays by key.
     history: tuple = ()  # The `EpochRecord`s of the epochs done.
 
     def global_step(self, steps_per_epoch):

@@ -5,7 +5,7 @@ The same as `kdist-bench`; needs kdist installed (`pip install -e .`).
 
 import sys
 
-from kdist.cli import bench_main
+from kdist.bench.command import main
 
 if __name__ == "__main__":
-    sys.exit(bench_main())
+    sys.exit(main())

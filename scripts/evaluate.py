@@ -5,7 +5,7 @@ The same as `kdist-evaluate`; needs kdist installed (`pip install -e .`).
 
 import sys
 
-from kdist.cli import evaluate_main
+from kdist.cli.evaluate import main
 
 if __name__ == "__main__":
-    sys.exit(evaluate_main())
+    sys.exit(main())

@@ -7,7 +7,7 @@
 Trains the tutorial's CNN (Adam 1e-3, batch 64, one replica) with
 `kdist.train_and_evaluate`, then trains a second model from the same initial
 weights with `fit`, fed each epoch's batches in the order kdist used
-(`kdist.data.epoch_order`, full batches only), and prints both test
+(`kdist.inputs.arrays.epoch_order`, full batches only), and prints both test
 accuracies after every epoch and their largest difference. The tests compare single steps and short runs; this script
 compares a whole run, so that a run's final accuracy (one seed's 89.73% in
 docs/performance.md) can be told apart from a difference between kdist and
@@ -21,18 +21,21 @@ import argparse
 import json
 import tempfile
 
-from kdist import startup
+from kdist.cli.flags import positive, seed
 from kdist.config import TrainConfig
-from kdist.flags import positive, seed
+from kdist.inputs import base
 from kdist.precision import PRECISIONS
+from kdist.runtime import startup
 
 startup.prepare_environment()
 with startup.native_logs_silenced():
     import keras
 
     import kdist
-    from kdist import data
-    from kdist.model import create_model
+    from kdist import tree
+    from kdist.datasets import fashion_mnist
+    from kdist.inputs import arrays
+    from kdist.models.cnn import create_model
     from kdist.precision import policy
 
 
@@ -64,12 +67,12 @@ def fit_accuracies(dataset, epochs, seed, precision, weights, repeat_first_order
         model = compiled_cnn([])
     model.set_weights(weights)
     batch = TrainConfig.batch_size_per_replica
-    count = data.num_examples(dataset.train_x)
-    rows = data.steps_per_epoch(count, batch) * batch
+    count = tree.num_examples(dataset.train_x)
+    rows = base.steps_per_epoch(count, batch) * batch
     accuracies = []
     for epoch in range(epochs):
         drawn_for = 0 if repeat_first_order else epoch
-        order = data.epoch_order(count, seed, drawn_for)[:rows]
+        order = arrays.epoch_order(count, seed, drawn_for)[:rows]
         model.fit(dataset.train_x[order], dataset.train_y[order], batch_size=batch, epochs=1,
                   shuffle=False, verbose=0)
         accuracies.append(model.evaluate(dataset.test_x, dataset.test_y, batch_size=batch,
@@ -90,8 +93,8 @@ def main(argv=None):
     parser.add_argument("--repeat-first-order", action="store_true",
                         help="feed fit the first epoch's batches in every epoch")
     args = parser.parse_args(argv)
-    dataset = (data.synthetic_fashion_mnist(args.synthetic) if args.synthetic
-               else data.load_fashion_mnist())
+    dataset = (fashion_mnist.synthetic_fashion_mnist(args.synthetic) if args.synthetic
+               else fashion_mnist.load_fashion_mnist())
     initial_weights = []
     ours = kdist_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights)
     theirs = fit_accuracies(dataset, args.epochs, args.seed, args.precision, initial_weights[0],

@@ -17,7 +17,7 @@ import statistics
 import sys
 import time
 
-from kdist import startup
+from kdist.runtime import startup
 
 startup.prepare_environment()  # Before Keras loads: quiet logs, kdist-bench's memory settings.
 with startup.native_logs_silenced():  # The frameworks' start-up notices.
@@ -25,7 +25,7 @@ with startup.native_logs_silenced():  # The frameworks' start-up notices.
     import numpy as np
     import tensorflow as tf
 
-    from kdist.model import create_model
+    from kdist.models.cnn import create_model
 
 STEPS, BATCH = 200, 64
 

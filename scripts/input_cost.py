@@ -3,7 +3,7 @@
     KERAS_BACKEND=tensorflow python scripts/input_cost.py [--kinds numpy,tfdata,...]
 
 Reads whole training epochs of synthetic Fashion-MNIST-shaped data through
-kdist's source of each kind (`kdist.benchinputs.input_source`, the pipelines the
+kdist's source of each kind (`kdist.bench.input_kinds.input_source`, the pipelines the
 benchmark trains on) and prints, per kind and epoch, the wall time and the
 process's CPU time per batch. The CPU time is what the pipeline takes from
 the training step on a machine whose cores the step keeps busy, however
@@ -13,7 +13,7 @@ well it overlaps. Needs kdist installed (`pip install -e ".[all]"`).
 import argparse
 import time
 
-from kdist import startup
+from kdist.runtime import startup
 
 startup.prepare_environment()  # Before Keras loads: quiet logs, kdist-bench's memory settings.
 with startup.native_logs_silenced():  # The frameworks' start-up notices.
@@ -24,8 +24,9 @@ with startup.native_logs_silenced():  # The frameworks' start-up notices.
     if importlib.util.find_spec("tensorflow"):  # For --kinds tfdata, on any backend.
         import tensorflow  # noqa: F401
 
-    from kdist import benchinputs, config
-    from kdist.flags import names, positive
+    from kdist import config
+    from kdist.bench import input_kinds
+    from kdist.cli.flags import names, positive
 
 
 def epoch_cost(source, batch, epoch):
@@ -47,7 +48,7 @@ def main(argv=None):
     x = rng.random((60000, 28, 28, 1), np.float32)
     y = rng.integers(0, 10, 60000)
     for kind in args.kinds:
-        source = benchinputs.input_source(kind, (x, y, None), args.batch, "train")
+        source = input_kinds.input_source(kind, (x, y, None), args.batch, "train")
         for epoch in range(args.epochs):
             count, wall, cpu = epoch_cost(source, args.batch, epoch)
             print(f"{kind:10s} epoch {epoch}: {count} batches, {wall:.3f} ms wall and "

@@ -5,7 +5,7 @@ The same as `kdist-launch`; needs kdist installed (`pip install -e .`).
 
 import sys
 
-from kdist.launch import main  # Imports no framework.
+from kdist.cli.launch import main  # Imports no framework.
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,7 +5,7 @@ The same as `kdist-plot`; needs kdist installed (`pip install -e .`).
 
 import sys
 
-from kdist.plot import main
+from kdist.cli.plot import main
 
 if __name__ == "__main__":
     sys.exit(main())

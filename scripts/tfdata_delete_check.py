@@ -2,12 +2,12 @@
 
     python scripts/tfdata_delete_check.py [--epochs 8] [--busy-threads 2]
 
-Reads whole epochs of the benchmark's tf.data pipeline (`kdist.benchinputs.input_source`,
+Reads whole epochs of the benchmark's tf.data pipeline (`kdist.bench.input_kinds.input_source`,
 read as kdist reads it) while threads keep the cores busy with matmuls, as a
 training step does, and prints per epoch how long deleting the exhausted
 iterator took on the reading thread, and, for comparison, with
 `autotune.enabled = False`. kdist deletes its iterators on a thread of their
-own (`kdist.pipelines.numpy_batches`) because this took seconds on a 2-core
+own (`kdist.inputs.pipelines.numpy_batches`) because this took seconds on a 2-core
 CPU (docs/performance.md, "Input pipelines"); this script shows whether a
 TensorFlow release still needs that. Needs TensorFlow.
 """
@@ -16,15 +16,16 @@ import argparse
 import threading
 import time
 
-from kdist import startup
+from kdist.runtime import startup
 
 startup.prepare_environment()
 with startup.native_logs_silenced():
     import numpy as np
     import tensorflow as tf
 
-    from kdist import benchinputs, pipelines
-    from kdist.flags import positive
+    from kdist.bench import input_kinds
+    from kdist.cli.flags import positive
+    from kdist.inputs import pipelines
 
 
 def keep_busy():
@@ -53,7 +54,7 @@ def main(argv=None):
         threading.Thread(target=keep_busy, daemon=True).start()
     rng = np.random.default_rng(0)
     x, y = rng.random((60000, 28, 28, 1), np.float32), rng.integers(0, 10, 60000)
-    source = benchinputs.input_source("tfdata", (x, y, None), 64, "train")
+    source = input_kinds.input_source("tfdata", (x, y, None), 64, "train")
     dataset = pipelines._for_reading(source.dataset, 64)
     no_autotune = tf.data.Options()
     no_autotune.autotune.enabled = False

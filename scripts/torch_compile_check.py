@@ -22,8 +22,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kdist.model import create_model  # noqa: E402
-from kdist.step import Step, build_metrics  # noqa: E402
+from kdist.models.cnn import create_model  # noqa: E402
+from kdist.step.compiled import Step, build_metrics  # noqa: E402
 
 BATCH = 64
 

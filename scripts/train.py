@@ -5,7 +5,7 @@ The same as `kdist-train`; needs kdist installed (`pip install -e .`).
 
 import sys
 
-from kdist.cli import main  # Imports no framework: the flags set devices first.
+from kdist.cli.train import main  # Imports no framework: the flags set devices first.
 
 if __name__ == "__main__":
     sys.exit(main())

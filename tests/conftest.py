@@ -18,7 +18,7 @@ sys.path.insert(0, _CHECKOUT)
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [_CHECKOUT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
-from kdist import startup  # noqa: E402  (imports no framework)
+from kdist.runtime import startup  # noqa: E402  (imports no framework)
 
 NUM_DEVICES = 4
 startup.prepare_environment()
@@ -34,9 +34,10 @@ elif keras.backend.backend() == "jax":  # JAX starts its backend, with NUM_DEVIC
     import jax  # at its first device query: now, so no in-process command can change it.
 
     assert len(jax.devices()) == NUM_DEVICES
-# torch: one process per replica (`kdist.replicas`), no devices to set.
+# torch: one process per replica (`kdist.workers.replicas`), no devices to set.
 
-from kdist import data, errors  # noqa: E402
+from kdist import errors
+from kdist.datasets import fashion_mnist  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,7 +58,7 @@ def _environment_restored():
 @pytest.fixture(scope="session")
 def small_dataset():
     """Synthetic Fashion-MNIST-shaped data: 512 train, 1,001 test images."""
-    return data.synthetic_fashion_mnist(num_train=512, num_test=1001, seed=3)
+    return fashion_mnist.synthetic_fashion_mnist(num_train=512, num_test=1001, seed=3)
 
 
 @pytest.fixture

@@ -3,8 +3,8 @@
 import keras
 import numpy as np
 
-from kdist import building, training
-from kdist.model import create_model
+from kdist.loop import building, training
+from kdist.models.cnn import create_model
 
 # Replicas for a test whose subject is not the replica count: torch holds one replica
 # per process (its multi-replica cases are in tests/test_torch.py).

@@ -9,27 +9,29 @@ first, before any TensorFlow op or JAX computation, as `kdist-train` does.
 
 import sys
 
-from kdist import cluster, startup
+from kdist.runtime import startup
+from kdist.workers import cluster
 
 
 def inputs_of(kind):
     """The training and test data of `kind`, made as every worker makes them."""
     import keras
-
     import test_inputs
-    from kdist import inputs
+
+    from kdist.inputs import sources
 
     keras.utils.set_random_seed(1)  # A tf.data shuffle's seeds depend on the global seed.
     x, y = test_inputs.TRAIN
     if kind == "tf.data":
-        return inputs.Inputs(test_inputs.tf_data(x, y, 25, shuffle=7),
+        return sources.Inputs(test_inputs.tf_data(x, y, 25, shuffle=7),
                              test_inputs.tf_data(*test_inputs.TEST, 100))
-    return inputs.Inputs(test_inputs.Batches(x, y, 25), test_inputs.Batches(*test_inputs.TEST, 64))
+    return sources.Inputs(test_inputs.Batches(x, y, 25), test_inputs.Batches(*test_inputs.TEST, 64))
 
 
 def train(kind, folder, batch_size, replicas=None, log=print):
     import test_inputs
-    from kdist import training
+
+    from kdist.loop import training
 
     settings = training.TrainConfig(epochs=2, batch_size_per_replica=batch_size,
                                     replicas=replicas, checkpoint_dir=folder, seed=5,

@@ -1,5 +1,5 @@
 """kdist-bench's choices and records: --model, kdist alone (--no-fit, several
-workers), and `kdist.workerbench`'s runs and arithmetic."""
+workers), and `kdist.bench.workers`'s runs and arithmetic."""
 
 import argparse
 import os
@@ -7,9 +7,12 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO
-from kdist import bench, cli, config, workerbench
+
+from kdist import config
+from kdist.bench import command as bench_cli
+from kdist.bench import measure
+from kdist.bench import workers as workerbench
 
 MINE = dict(samples_per_sec=1000.4, first_epoch_seconds=2.345, eval_seconds=0.5,
             peak_rss_mb=900.2, epoch_seconds=[2.345, 1.0004, 0.9996], input_ratio=1.0)
@@ -17,17 +20,17 @@ MINE = dict(samples_per_sec=1000.4, first_epoch_seconds=2.345, eval_seconds=0.5,
 
 def test_the_models_are_the_flags_choices():
     parser = argparse.ArgumentParser()
-    cli._add_bench_choices(parser)
+    bench_cli._add_bench_choices(parser)
     action = next(a for a in parser._actions if a.dest == "model")
-    assert tuple(bench.MODELS) == tuple(action.choices) == config.BENCH_MODELS
+    assert tuple(measure.MODELS) == tuple(action.choices) == config.BENCH_MODELS
     assert action.default == "cnn"
 
 
 def test_resnet20_gets_its_own_data_and_the_flags(monkeypatch):
     calls = []
-    monkeypatch.setattr(bench, "run", lambda dataset, *args, **kwargs: calls.append(
+    monkeypatch.setattr(measure, "run", lambda dataset, *args, **kwargs: calls.append(
         (dataset, args, kwargs)))
-    assert cli.bench_main(["--model", "resnet20", "--no-fit", "--no-peak", "--steps", "2"]) == 0
+    assert bench_cli.main(["--model", "resnet20", "--no-fit", "--no-peak", "--steps", "2"]) == 0
     [(dataset, args, kwargs)] = calls
     assert dataset.train_x.shape[1:] == (32, 32, 3) and dataset.test_x.shape[1:] == (32, 32, 3)
     assert args[2] == 2  # --steps
@@ -35,14 +38,14 @@ def test_resnet20_gets_its_own_data_and_the_flags(monkeypatch):
 
 
 def test_without_fit_its_figures_are_none_and_the_table_shows_dashes():
-    figures = bench._figures(MINE, None)
+    figures = measure._figures(MINE, None)
     assert figures["kdist_samples_per_sec"] == 1000 and figures["first_epoch_seconds"] == 2.35
     assert figures["fit_samples_per_sec"] is figures["ratio"] is figures["fit_eval_seconds"] \
         is figures["fit_epoch_seconds"] is None
     assert figures["epoch_seconds"] == [2.345, 1.0, 1.0]  # Every epoch's, in milliseconds.
     theirs = dict(MINE, samples_per_sec=500.0)
-    assert bench._figures(MINE, theirs)["ratio"] == 2.001
-    table = bench.format_table([("float32", MINE, None), ("mixed_bfloat16", MINE, theirs)])
+    assert measure._figures(MINE, theirs)["ratio"] == 2.001
+    table = measure.format_table([("float32", MINE, None), ("mixed_bfloat16", MINE, theirs)])
     alone, both = table.splitlines()[1:]
     assert alone.split() == ["float32", "1,000", "-", "-", "2.35", "-", "0.50", "-", "900"]
     assert both.split()[1:4] == ["1,000", "500", "2.00x"]
@@ -99,6 +102,6 @@ def test_input_kinds_compare_round_by_round_so_drift_cancels():
     seconds = {"numpy": [9.0, 1.0, 1.0, 2.0, 2.0, 2.0],
                "tfdata": [5.0, 1.1, 2.2, 2.2, 2.2, 2.2],
                "grain": [5.0, 0.5, 0.5, 1.0, 1.0, 1.0]}
-    ratios = bench.paired_ratios(seconds)
+    ratios = measure.paired_ratios(seconds)
     assert ratios["numpy"] == 1.0 and ratios["grain"] == pytest.approx(2.0)
     assert ratios["tfdata"] == pytest.approx(2.0 / 2.2)  # The median of its 5 rounds' ratios.

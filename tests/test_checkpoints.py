@@ -4,14 +4,15 @@ import errno
 import json
 import os
 
-import keras
 import h5py
+import keras
 import numpy as np
 import pytest
-
 from helpers import SEVERAL
-from kdist import building, checkpoints, engines, training
-from kdist.model import create_model
+
+from kdist import checkpoints, engines
+from kdist.loop import building, training
+from kdist.models.cnn import create_model
 
 
 def trained_model(replicas=SEVERAL, seed=0):

@@ -1,10 +1,10 @@
 """Limits of a run's settings: bad values refused up front, oversized chunks capped."""
 
 import pytest
-
-from kdist import steps, training
-from kdist.startup import UsageError
 from test_training import config
+
+from kdist.loop import chunks, training
+from kdist.runtime.startup import UsageError
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -29,8 +29,8 @@ def test_the_largest_seed_trains(tmp_path, small_dataset):
 def test_steps_per_execution_is_capped_at_the_epoch_and_the_eval_batches(
         tmp_path, small_dataset, monkeypatch):
     stacked = []
-    original = steps.stack_chunk
-    monkeypatch.setattr(steps, "stack_chunk",
+    original = chunks.stack_chunk
+    monkeypatch.setattr(chunks, "stack_chunk",
                         lambda batches: stacked.append(len(batches)) or original(batches))
     lines = []
     cfg = config(tmp_path, "ck", epochs=1, steps_per_epoch=3, steps_per_execution=40)

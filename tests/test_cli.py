@@ -11,12 +11,12 @@ import time
 
 import numpy as np
 import pytest
-
-import kdist
 from conftest import REPO
 from helpers import SEVERAL
-from kdist import cli
 from test_training import checkpoint_arrays
+
+import kdist
+from kdist.cli import train as train_cli
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 EVALUATE = os.path.join(REPO, "scripts", "evaluate.py")
@@ -33,7 +33,7 @@ def script(path, *args, env=None, **kwargs):
 
 def test_help_documents_every_flag(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--help"])
+        train_cli.main(["--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     for flag in ("--epochs", "--batch-size-per-replica", "--learning-rate", "--replicas",
@@ -53,14 +53,14 @@ def test_help_documents_every_flag(capsys):
 ])
 def test_bad_flags_exit_2_with_the_reason(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(args)
+        train_cli.main(args)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_more_synthetic_examples_than_memory_holds_exit_2_with_the_reason(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--synthetic", str(10 ** 13), "--checkpoint-dir", str(tmp_path / "ck")])
+        train_cli.main(["--synthetic", str(10 ** 13), "--checkpoint-dir", str(tmp_path / "ck")])
     err = capsys.readouterr().err
     assert exit_.value.code == 2
     # As argparse reports a bad flag: the usage, then one line with the reason.
@@ -74,14 +74,14 @@ def test_more_synthetic_examples_than_memory_holds_exit_2_with_the_reason(tmp_pa
 def test_unknown_backend_exits_2(monkeypatch, capsys):
     monkeypatch.setenv("KERAS_BACKEND", "numpy")
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--synthetic"])
+        train_cli.main(["--synthetic"])
     assert exit_.value.code == 2
     assert "KERAS_BACKEND=numpy is not supported" in capsys.readouterr().err
 
 
 def test_incomplete_data_dir_names_missing_files(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--data-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "c")])
+        train_cli.main(["--data-dir", str(tmp_path), "--checkpoint-dir", str(tmp_path / "c")])
     assert exit_.value.code == 2
     assert "lacks train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz" in \
         capsys.readouterr().err
@@ -89,7 +89,7 @@ def test_incomplete_data_dir_names_missing_files(tmp_path, capsys):
 
 def test_more_replicas_than_devices_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--synthetic", "--replicas", "64", "--checkpoint-dir", str(tmp_path)])
+        train_cli.main(["--synthetic", "--replicas", "64", "--checkpoint-dir", str(tmp_path)])
     assert exit_.value.code == 2
     assert "--replicas 64 but" in capsys.readouterr().err
 
@@ -285,7 +285,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
 ])
 def test_out_of_range_flags_exit_2_with_one_line(tmp_path, args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(args + ["--synthetic", "--epochs", "1", "--steps-per-epoch", "1",
+        train_cli.main(args + ["--synthetic", "--epochs", "1", "--steps-per-epoch", "1",
                          "--checkpoint-dir", str(tmp_path / "ck")])
     assert exit_.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]  # argparse: usage, then the reason.
@@ -301,7 +301,7 @@ def test_out_of_range_flags_exit_2_with_one_line(tmp_path, args, message, capsys
 def test_a_bad_metrics_file_exits_2_before_any_work(tmp_path, name, problem, capsys):
     (tmp_path / "folder").mkdir()
     with pytest.raises(SystemExit) as exit_:
-        cli.main(SMALL + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
+        train_cli.main(SMALL + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
                           str(tmp_path / name), "--checkpoint-dir", str(tmp_path / "ck")])
     assert exit_.value.code == 2
     assert f"--metrics-file {tmp_path / name}: " in capsys.readouterr().err
@@ -310,14 +310,14 @@ def test_a_bad_metrics_file_exits_2_before_any_work(tmp_path, name, problem, cap
 
 def test_a_full_disk_under_the_metrics_file_is_one_line_after_the_checkpoint(
         tmp_path, monkeypatch, capsys):
-    from kdist import reporting
+    from kdist.loop import reporting
 
     # The run's rewrite at start would replace the link; the appends then hit the full disk.
     monkeypatch.setattr(reporting.MetricsWriter, "start", lambda self, history: None)
     os.symlink("/dev/full", tmp_path / "m.jsonl")
     # SEVERAL: on torch, replicas beyond one are processes, which the patch does not reach.
     small = ["--synthetic", "600", "--batch-size-per-replica", "16", "--replicas", str(SEVERAL)]
-    code = cli.main(small + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
+    code = train_cli.main(small + ["--epochs", "1", "--steps-per-epoch", "2", "--metrics-file",
                              str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
     err = capsys.readouterr().err
     assert code == 1
@@ -384,13 +384,13 @@ def test_bench_feeds_each_input_kind_every_example(kind):
     needs = {"tfdata": "tensorflow", "grain": "grain"}.get(kind)
     if needs and importlib.util.find_spec(needs) is None:
         pytest.skip(f"--input {kind} needs {needs}, not installed here")
-    from kdist import benchinputs
+    from kdist.bench import input_kinds
 
     dataset = kdist.synthetic_fashion_mnist(num_train=100, num_test=50)
-    train = benchinputs.input_source(kind, dataset.split("train"), 32, "train")
+    train = input_kinds.input_source(kind, dataset.split("train"), 32, "train")
     rows = {row.tobytes(): i for i, row in enumerate(dataset.train_x)}
     seen = [rows[row.tobytes()] for b in train.train(32, seed=0, epoch=0) for row in b[0]]
     assert len(seen) == len(set(seen)) == 96  # Distinct training examples.
     rows = {row.tobytes(): i for i, row in enumerate(dataset.test_x)}
-    test = benchinputs.input_source(kind, dataset.split("test"), 32, "test").evaluate(32)
+    test = input_kinds.input_source(kind, dataset.split("test"), 32, "test").evaluate(32)
     assert sorted(rows[row.tobytes()] for b, _ in test for row in b[0]) == list(range(50))

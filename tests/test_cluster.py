@@ -4,8 +4,11 @@ import json
 
 import pytest
 
-from kdist import cli, cluster, launch
-from kdist.startup import UsageError
+from kdist.cli import launch
+from kdist.cli import train as train_cli
+from kdist.runtime.startup import UsageError
+from kdist.workers import cluster
+from kdist.workers.processes import free_ports
 
 
 def spec(backend="tensorflow", environ=None, **flags):
@@ -68,7 +71,7 @@ def test_inconsistent_settings_are_usage_errors(backend, environ, flags, message
 
 def test_bad_peers_flag_exits_2_with_one_line(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["--synthetic", "--peers", "127.0.0.1:1,127.0.0.1:2", "--worker-index", "5"])
+        train_cli.main(["--synthetic", "--peers", "127.0.0.1:1,127.0.0.1:2", "--worker-index", "5"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "worker index 5 is not in 0..1" in err and err.splitlines()[-1].startswith("train.py")
@@ -76,7 +79,7 @@ def test_bad_peers_flag_exits_2_with_one_line(capsys):
 
 def test_help_documents_the_worker_flags_and_variables(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["--help"])
+        train_cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for word in ("--peers", "--workers", "--worker-index", "--connect-timeout", "--optimizer",
                  "TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES", "scripts/launch.py"):
@@ -91,5 +94,5 @@ def test_launcher_refuses_cluster_flags_of_its_own(capsys):
 
 
 def test_free_ports_are_distinct():
-    ports = launch.free_ports(3)
+    ports = free_ports(3)
     assert len(set(ports)) == 3

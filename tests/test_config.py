@@ -6,16 +6,22 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
 import kdist
-from conftest import REPO
-from kdist import (checkpoints, ckptfile, cli, config, data, engines, errors, flags, reporting,
-                   runlock)
-from kdist import startup, training
+from kdist import checkpoints, config, engines, errors
+from kdist.bench import command as bench_cli
+from kdist.checkpoints import ckptfile, runlock
+from kdist.cli import evaluate as evaluate_cli
+from kdist.cli import flags
+from kdist.cli import train as train_cli
+from kdist.errors import DataError, UsageError
+from kdist.loop import reporting, training
+from kdist.runtime import startup
 
 
 def test_every_train_config_field_is_a_flag_with_the_same_default():
-    args = cli.train_parser().parse_args([])
+    args = train_cli.train_parser().parse_args([])
     for field in dataclasses.fields(kdist.TrainConfig):
         if field.name == "progress":  # Derived from --quiet and the terminal.
             assert field not in config.flag_fields()
@@ -26,14 +32,14 @@ def test_every_train_config_field_is_a_flag_with_the_same_default():
 
 def test_every_flag_field_has_help_and_shows_in_the_help(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["--help"])
+        train_cli.main(["--help"])
     text = capsys.readouterr().out
     for field in config.flag_fields():
         assert field.metadata["help"] and config.flag_name(field) in text
 
 
 def test_flags_parse_into_the_config():
-    args = cli.train_parser().parse_args(
+    args = train_cli.train_parser().parse_args(
         ["--epochs", "3", "--no-resume", "--break-lock", "--seed", "0", "--learning-rate", "0.5"])
     cfg = flags.config_from_args(args, progress=True)
     assert (cfg.epochs, cfg.resume, cfg.break_lock, cfg.learning_rate, cfg.progress) == \
@@ -41,14 +47,14 @@ def test_flags_parse_into_the_config():
 
 
 def test_optimizer_choices_and_other_defaults_come_from_one_place():
-    action = next(a for a in cli.train_parser()._actions if a.dest == "optimizer")
+    action = next(a for a in train_cli.train_parser()._actions if a.dest == "optimizer")
     assert tuple(action.choices) == tuple(kdist.OPTIMIZERS) and action.default == "adam"
     assert training.OPTIMIZERS is kdist.OPTIMIZERS and training.adam is kdist.OPTIMIZERS["adam"]
     batch, spe = kdist.TrainConfig.batch_size_per_replica, kdist.TrainConfig.steps_per_execution
     assert training.evaluate_checkpoint.__defaults__[-2:] == (batch, spe)
-    from kdist import bench
+    from kdist.bench import measure
 
-    assert bench.run.__defaults__[1:] == (batch, None, config.BENCH_WINDOWS, spe, print)
+    assert measure.run.__defaults__[1:] == (batch, None, config.BENCH_WINDOWS, spe, print)
 
 
 def test_one_backend_registry_and_message(monkeypatch):
@@ -69,8 +75,8 @@ def test_every_kdist_error_is_a_kdist_error_and_keeps_its_names():
     for cls in ERRORS + [errors.NonFiniteWeights]:
         assert issubclass(cls, kdist.KdistError) and getattr(kdist, cls.__name__, cls) is cls
     assert issubclass(errors.UsageError, ValueError)  # `except ValueError` still catches it.
-    same = [(startup.UsageError, data.UsageError, engines.UsageError, kdist.UsageError),
-            (data.DataError, kdist.DataError), (checkpoints.CheckpointError, kdist.CheckpointError),
+    same = [(startup.UsageError, UsageError, engines.UsageError, kdist.UsageError),
+            (DataError, kdist.DataError), (checkpoints.CheckpointError, kdist.CheckpointError),
             (ckptfile.InvalidCheckpoint, kdist.InvalidCheckpoint),
             (ckptfile.NonFiniteWeights, errors.NonFiniteWeights),
             (runlock.LockHeld, kdist.LockHeld), (reporting.MetricsError, kdist.MetricsError),
@@ -80,8 +86,8 @@ def test_every_kdist_error_is_a_kdist_error_and_keeps_its_names():
         assert len(set(names)) == 1, names
 
 
-@pytest.mark.parametrize("main, body", [(cli.main, "_train"), (cli.evaluate_main, "_evaluate"),
-                                        (cli.bench_main, "_bench")])
+@pytest.mark.parametrize("command, body", [(train_cli, "_train"), (evaluate_cli, "_evaluate"),
+                                           (bench_cli, "_bench")])
 @pytest.mark.parametrize("error, status, line", [
     (errors.UsageError("bad setting"), 2, ": error: bad setting"),
     (errors.Interrupted("SIGINT: stopped", "SIGINT"), 130, "interrupted: SIGINT: stopped"),
@@ -92,14 +98,14 @@ def test_every_kdist_error_is_a_kdist_error_and_keeps_its_names():
     (errors.MetricsError("disk full"), 1, "error: disk full"),
     (errors.TrainingError("nan"), 1, "error: nan"),
 ])
-def test_each_main_maps_each_error_to_its_exit_status(main, body, error, status, line,
+def test_each_main_maps_each_error_to_its_exit_status(command, body, error, status, line,
                                                       monkeypatch, capsys):
     def fail(args):
         raise error
 
-    monkeypatch.setattr(cli, body, fail)
+    monkeypatch.setattr(command, body, fail)
     try:
-        code = main(["--synthetic"])
+        code = command.main(["--synthetic"])
     except SystemExit as exit_:
         code = exit_.code
     assert code == status
@@ -109,7 +115,7 @@ def test_each_main_maps_each_error_to_its_exit_status(main, body, error, status,
 
 def test_the_config_errors_and_cli_modules_load_no_framework():
     code = ("import sys, kdist, kdist.cli, kdist.config, kdist.errors; kdist.TrainConfig(); "
-            "kdist.KdistError; kdist.cli.train_parser(); "
+            "kdist.KdistError; kdist.cli.train.train_parser(); "
             "print(sorted(m for m in ('keras', 'tensorflow', 'jax', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=REPO, env=dict(os.environ), check=True).stdout

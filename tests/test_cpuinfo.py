@@ -1,10 +1,10 @@
-"""The CPU record of the benchmark (`kdist.cpuinfo`)."""
+"""The CPU record of the benchmark (`kdist.bench.cpuinfo`)."""
 
 import os
 
 import pytest
 
-from kdist import cpuinfo
+from kdist.bench import cpuinfo
 
 X86 = """processor\t: 0
 vendor_id\t: GenuineIntel

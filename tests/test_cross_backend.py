@@ -10,7 +10,6 @@ import sys
 
 import numpy as np
 import pytest
-
 from conftest import REPO
 
 pytestmark = pytest.mark.cross_backend

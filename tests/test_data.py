@@ -7,7 +7,9 @@ import struct
 import numpy as np
 import pytest
 
-from kdist import data
+from kdist.datasets import fashion_mnist
+from kdist.errors import DataError, UsageError
+from kdist.inputs import arrays
 
 
 def write_idx(path, array, magic, dims=None):
@@ -29,7 +31,7 @@ def make_dataset_dir(folder, n_train=6, n_test=4):
 
 def test_loads_and_normalises_a_data_dir(tmp_path):
     folder = make_dataset_dir(tmp_path / "fm")
-    ds = data.load_fashion_mnist(str(folder))
+    ds = fashion_mnist.load_fashion_mnist(str(folder))
     assert ds.train_x.shape == (6, 28, 28, 1) and ds.test_x.shape == (4, 28, 28, 1)
     assert ds.train_x.dtype == np.float32 and 0.0 <= ds.train_x.min()
     assert ds.train_x.max() <= 1.0 and ds.train_y.dtype == np.int32
@@ -39,56 +41,56 @@ def test_loads_and_normalises_a_data_dir(tmp_path):
 def test_data_dir_without_the_files_names_the_missing_ones(tmp_path):
     folder = make_dataset_dir(tmp_path / "fm")
     os.remove(folder / "t10k-labels-idx1-ubyte.gz")
-    with pytest.raises(data.UsageError, match="lacks t10k-labels-idx1-ubyte.gz"):
-        data.load_fashion_mnist(str(folder))
+    with pytest.raises(UsageError, match="lacks t10k-labels-idx1-ubyte.gz"):
+        fashion_mnist.load_fashion_mnist(str(folder))
 
 
 def test_truncated_file_is_named(tmp_path):
     folder = make_dataset_dir(tmp_path / "fm")
     path = folder / "train-images-idx3-ubyte.gz"
     write_idx(path, np.zeros((6, 28, 28)), 0x0803, dims=(7, 28, 28))  # Header claims 7.
-    with pytest.raises(data.DataError, match="train-images-idx3-ubyte.gz.*truncated"):
-        data.load_fashion_mnist(str(folder))
+    with pytest.raises(DataError, match="train-images-idx3-ubyte.gz.*truncated"):
+        fashion_mnist.load_fashion_mnist(str(folder))
 
 
 def test_wrong_magic_and_non_gzip_are_named(tmp_path):
     folder = make_dataset_dir(tmp_path / "fm")
     write_idx(folder / "train-labels-idx1-ubyte.gz", np.zeros(6), 0x0803, dims=(6,))
-    with pytest.raises(data.DataError, match="train-labels-idx1-ubyte.gz: IDX magic"):
-        data.load_fashion_mnist(str(folder))
+    with pytest.raises(DataError, match="train-labels-idx1-ubyte.gz: IDX magic"):
+        fashion_mnist.load_fashion_mnist(str(folder))
     (folder / "train-labels-idx1-ubyte.gz").write_bytes(b"not gzip")
-    with pytest.raises(data.DataError, match="train-labels-idx1-ubyte.gz: cannot read"):
-        data.load_fashion_mnist(str(folder))
+    with pytest.raises(DataError, match="train-labels-idx1-ubyte.gz: cannot read"):
+        fashion_mnist.load_fashion_mnist(str(folder))
 
 
 def test_mismatched_counts_are_an_error(tmp_path):
     folder = make_dataset_dir(tmp_path / "fm")
     write_idx(folder / "train-labels-idx1-ubyte.gz", np.zeros(5), 0x0801)
-    with pytest.raises(data.DataError, match="6 images but 5 labels"):
-        data.load_fashion_mnist(str(folder))
+    with pytest.raises(DataError, match="6 images but 5 labels"):
+        fashion_mnist.load_fashion_mnist(str(folder))
 
 
 def test_search_order_keras_cache_then_debian(tmp_path, monkeypatch):
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras"))
     debian = make_dataset_dir(tmp_path / "debian", n_train=3)
-    monkeypatch.setattr(data, "DEBIAN_DIR", str(debian))
-    assert data.load_fashion_mnist().source == str(debian)
+    monkeypatch.setattr(fashion_mnist, "DEBIAN_DIR", str(debian))
+    assert fashion_mnist.load_fashion_mnist().source == str(debian)
     cache = make_dataset_dir(tmp_path / "keras" / "datasets" / "fashion-mnist", n_train=2)
-    assert data.load_fashion_mnist().source == str(cache)
+    assert fashion_mnist.load_fashion_mnist().source == str(cache)
 
 
 def test_nothing_found_and_no_download_names_the_three_ways(tmp_path, monkeypatch):
     import keras
 
     monkeypatch.setenv("KERAS_HOME", str(tmp_path / "keras"))
-    monkeypatch.setattr(data, "DEBIAN_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(fashion_mnist, "DEBIAN_DIR", str(tmp_path / "nowhere"))
 
     def offline():
         raise OSError("network unreachable")
 
     monkeypatch.setattr(keras.datasets.fashion_mnist, "load_data", offline)
-    with pytest.raises(data.DataError) as error:
-        data.load_fashion_mnist()
+    with pytest.raises(DataError) as error:
+        fashion_mnist.load_fashion_mnist()
     message = str(error.value)
     assert "--data-dir" in message and str(tmp_path / "keras") in message
     assert "apt-get install dataset-fashion-mnist" in message
@@ -97,14 +99,14 @@ def test_nothing_found_and_no_download_names_the_three_ways(tmp_path, monkeypatc
 def test_train_batches_are_full_shuffled_and_reproducible():
     images = np.arange(100, dtype=np.float32).reshape(100, 1, 1, 1)
     labels = np.arange(100, dtype=np.int32)
-    epoch0 = list(data.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3))
-    again = list(data.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3))
-    epoch1 = list(data.train_batches(images, labels, None, 32, seed=1, epoch=1, steps=3))
+    epoch0 = list(arrays.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3))
+    again = list(arrays.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3))
+    epoch1 = list(arrays.train_batches(images, labels, None, 32, seed=1, epoch=1, steps=3))
     assert [len(b[1]) for b in epoch0] == [32, 32, 32]
     assert len(set(np.concatenate([b[1] for b in epoch0]))) == 96
     assert all((a[1] == b[1]).all() for a, b in zip(epoch0, again))
     assert not (epoch0[0][1] == epoch1[0][1]).all()
-    resumed = list(data.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3,
+    resumed = list(arrays.train_batches(images, labels, None, 32, seed=1, epoch=0, steps=3,
                                       start_step=2))
     assert (resumed[0][1] == epoch0[2][1]).all()
 
@@ -112,8 +114,8 @@ def test_train_batches_are_full_shuffled_and_reproducible():
 def test_shards_of_a_global_batch_partition_it():
     images = np.zeros((64, 1, 1, 1), np.float32)
     labels = np.arange(64, dtype=np.int32)
-    whole = next(data.train_batches(images, labels, None, 32, seed=0, epoch=0, steps=1))
-    parts = [next(data.train_batches(images, labels, None, 32, seed=0, epoch=0, steps=1,
+    whole = next(arrays.train_batches(images, labels, None, 32, seed=0, epoch=0, steps=1))
+    parts = [next(arrays.train_batches(images, labels, None, 32, seed=0, epoch=0, steps=1,
                                      shard=(i, 2))) for i in range(2)]
     assert (np.concatenate([p[1] for p in parts]) == whole[1]).all()
 
@@ -122,21 +124,21 @@ def test_evaluation_is_full_batches_then_the_rest_whole():
     images = np.ones((10, 28, 28, 1), np.float32)
     labels = np.arange(10, dtype=np.int32)
     weights = np.linspace(0.1, 1.0, 10).astype(np.float32)
-    batches = list(data.eval_batches(images, labels, weights, 4))
+    batches = list(arrays.eval_batches(images, labels, weights, 4))
     assert [b[0].shape[0] for b in batches] == [4, 4]
-    tail = data.eval_tail(images, labels, weights, 4)
+    tail = arrays.eval_tail(images, labels, weights, 4)
     assert tail[1].tolist() == [8, 9] and tail[2].tolist() == weights[8:].tolist()
     seen = np.concatenate([b[1] for b in batches] + [tail[1]])
     assert seen.tolist() == list(range(10))  # Each example once, none padded.
-    shards = [next(data.eval_batches(images, labels, None, 4, shard=(i, 2))) for i in range(2)]
+    shards = [next(arrays.eval_batches(images, labels, None, 4, shard=(i, 2))) for i in range(2)]
     assert [s[1].tolist() for s in shards] == [[0, 1], [2, 3]]
-    assert data.eval_tail(images[:8], labels[:8], None, 4) is None
+    assert arrays.eval_tail(images[:8], labels[:8], None, 4) is None
 
 
 def test_batches_keep_the_structure_of_inputs_and_targets():
     x = {"image": np.zeros((6, 2), np.float32), "side": np.arange(6, dtype=np.float32)}
     y = (np.arange(6, dtype=np.int32), np.arange(6, dtype=np.float32) * 2)
-    batch = next(data.train_batches(x, y, None, 4, seed=0, epoch=0, steps=1))
+    batch = next(arrays.train_batches(x, y, None, 4, seed=0, epoch=0, steps=1))
     assert set(batch[0]) == {"image", "side"} and isinstance(batch[1], tuple)
     np.testing.assert_array_equal(batch[0]["side"], batch[1][0])  # Rows stay aligned.
     np.testing.assert_array_equal(batch[1][1], batch[1][0] * 2)
@@ -145,12 +147,12 @@ def test_batches_keep_the_structure_of_inputs_and_targets():
 
 def test_data_dir_that_is_a_file_is_named(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(data.UsageError, match="file is not a folder"):
-        data.load_fashion_mnist(str(tmp_path / "file"))
+    with pytest.raises(UsageError, match="file is not a folder"):
+        fashion_mnist.load_fashion_mnist(str(tmp_path / "file"))
 
 
 def _corrupt(dataset, how):
-    ds = data.Dataset(dataset.train_x.copy(), dataset.train_y.copy(),
+    ds = arrays.Dataset(dataset.train_x.copy(), dataset.train_y.copy(),
                       dataset.test_x.copy(), dataset.test_y.copy(), source="toy")
     if how == "train label 10":
         ds.train_y[17] = 10
@@ -174,12 +176,12 @@ def _corrupt(dataset, how):
     ("empty test set", "toy: the test set is empty"),
 ])
 def test_bad_data_is_one_error_before_training(tmp_path, small_dataset, how, message):
-    from kdist import training
+    from kdist.loop import training
 
     config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=2,
                                   steps_per_epoch=2, checkpoint_dir=str(tmp_path / "ck"))
     lines = []
-    with pytest.raises(data.DataError, match=message):
+    with pytest.raises(DataError, match=message):
         training.train_and_evaluate(config, _corrupt(small_dataset, how), log=lines.append)
     assert lines == []  # Not even the banner: nothing ran.
     assert not os.path.exists(tmp_path / "ck") or not os.listdir(tmp_path / "ck")

@@ -3,11 +3,13 @@
 import keras
 import numpy as np
 import pytest
-
 from helpers import prepare
-from kdist import building, data, engines, losses, steps, training
-from kdist.model import create_model
 
+from kdist import engines
+from kdist.inputs import arrays
+from kdist.loop import building, chunks, training
+from kdist.models import losses
+from kdist.models.cnn import create_model
 
 # Plain SGD: Adam normalises the step and would hide a wrongly scaled gradient.
 sgd = training.sgd
@@ -18,7 +20,7 @@ def weights_after_one_step(batch, replicas, distributed=True):
     keras.utils.set_random_seed(7)
     model, _ = prepare(engine, len(batch[0]), optimizer_fn=sgd, learning_rate=0.5)
     before = [np.array(w) for w in model.get_weights()]
-    stats = engine.train_chunk(engine.distribute(steps.stack_chunk([batch])), 1)
+    stats = engine.train_chunk(engine.distribute(chunks.stack_chunk([batch])), 1)
     engine.sync_to_model()
     return before, [np.array(w) for w in model.get_weights()], \
         {k: float(np.asarray(v)[0]) for k, v in stats.items()}
@@ -55,7 +57,7 @@ def test_a_doubled_loss_scale_would_be_caught(batch):
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_batches_are_split_across_replicas(batch, replicas):
     engine = engines.create_engine(replicas)
-    distributed = engine.distribute(steps.stack_chunk([batch, batch]))  # Two steps.
+    distributed = engine.distribute(chunks.stack_chunk([batch, batch]))  # Two chunks.
     if engine.backend == "jax":
         images = distributed[0]  # Stacked: (steps, batch, 28, 28, 1).
         assert tuple(images.sharding.spec)[:2] == (None, "batch")
@@ -90,7 +92,7 @@ def test_evaluation_counts_every_example_once(small_dataset, replicas):
     global_batch = 16 * replicas  # 1,001 is a multiple of none of 16, 32, 64.
     model, step = prepare(engine, global_batch, train=False)
     images, labels = small_dataset.test_x, small_dataset.test_y
-    results = steps.evaluate(engine, step, images, labels, None, global_batch,
+    results = chunks.evaluate(engine, step, images, labels, None, global_batch,
                              steps_per_execution=3)  # Chunks of 3, a shorter last one, a tail.
     logits = keras.ops.convert_to_numpy(model(images, training=False))
     correct = float((logits.argmax(-1) == labels).sum())
@@ -109,7 +111,7 @@ def test_batch_that_does_not_split_across_replicas_is_a_clear_error(batch):
     _, step = prepare(engine, 32, train=False)
     odd = (batch[0][:30], batch[1][:30], None)
     with pytest.raises(engines.UsageError, match="30 does not split evenly across 4"):
-        steps.run_steps(engine, engine.eval_chunk, [odd], steps.zero_totals(step))
+        chunks.run_steps(engine, engine.eval_chunk, [odd], chunks.zero_totals(step))
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
@@ -120,10 +122,10 @@ def test_chunked_steps_match_single_steps(small_dataset, replicas):
         # Adam: a padding step applied by mistake would move the weights even
         # with zero gradients (momentum), where SGD would not show it.
         model, step = prepare(engine, 32, optimizer_fn=training.adam, learning_rate=1e-2)
-        batches = data.train_batches(*small_dataset.split("train"),
+        batches = arrays.train_batches(*small_dataset.split("train"),
                                      32, seed=0, epoch=0, steps=5)
-        totals, done = steps.run_steps(engine, engine.train_chunk, batches,
-                                       steps.zero_totals(step),
+        totals, done = chunks.run_steps(engine, engine.train_chunk, batches,
+                                       chunks.zero_totals(step),
                                        steps_per_execution=steps_per_execution)
         engine.sync_to_model()
         assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 5
@@ -143,8 +145,8 @@ def test_an_epoch_compiles_one_train_program(small_dataset, replicas):
     # device) or a new step count (TF) would compile the chunk again.
     engine = engines.create_engine(replicas)
     _, step = prepare(engine, 32, optimizer_fn=training.adam, learning_rate=1e-3)
-    batches = data.train_batches(*small_dataset.split("train"), 32, seed=0, epoch=0, steps=7)
-    _, done = steps.run_steps(engine, engine.train_chunk, batches, steps.zero_totals(step),
+    batches = arrays.train_batches(*small_dataset.split("train"), 32, seed=0, epoch=0, steps=7)
+    _, done = chunks.run_steps(engine, engine.train_chunk, batches, chunks.zero_totals(step),
                               steps_per_execution=3)
     assert done == 7
     assert engine.compiled_train_programs() == 1
@@ -153,14 +155,14 @@ def test_an_epoch_compiles_one_train_program(small_dataset, replicas):
 @pytest.mark.skipif(keras.backend.backend() != "jax", reason="XLA compiles on JAX only")
 def test_jax_releases_the_compilers_memory_before_a_chunk_first_runs(small_dataset,
                                                                      monkeypatch):
-    from kdist import memory
+    from kdist.runtime import memory
 
     released = []
     monkeypatch.setattr(memory, "release_freed_memory", lambda: released.append(True))
     monkeypatch.setattr(memory, "LONG_COMPILE_SECONDS", 0.0)  # Any compile counts.
     engine = engines.create_engine(2)
     prepare(engine, 32, optimizer_fn=training.adam, learning_rate=1e-3)
-    chunk = engine.distribute(steps.stack_chunk(list(data.train_batches(
+    chunk = engine.distribute(chunks.stack_chunk(list(arrays.train_batches(
         *small_dataset.split("train"), 32, seed=0, epoch=0, steps=2))))
     released.clear()  # Eager ops compiled while building the model.
     engine.train_chunk(chunk, 2)

@@ -7,10 +7,12 @@ import inspect
 import keras
 import numpy as np
 import pytest
-
 from helpers import prepare
-from kdist import data, engines, steps, training
+
+from kdist import engines
 from kdist.engines import contract
+from kdist.inputs import arrays
+from kdist.loop import chunks, training
 
 CONTRACT_METHODS = [name for name, value in vars(contract.Engine).items()
                     if inspect.isfunction(value) and not name.startswith("_")]
@@ -41,9 +43,9 @@ def test_the_active_engine_meets_the_contract_when_used(small_dataset, replicas,
 
     model, step = prepare(engine, 32, optimizer_fn=training.sgd, learning_rate=0.1)
     initial = [np.array(w) for w in model.get_weights()]
-    batches = list(data.train_batches(*small_dataset.split("train"), 32, seed=0, epoch=0,
+    batches = list(arrays.train_batches(*small_dataset.split("train"), 32, seed=0, epoch=0,
                                       steps=2))
-    chunk = engine.distribute(steps.stack_chunk(batches + batches[:1]))  # 3rd: padding.
+    chunk = engine.distribute(chunks.stack_chunk(batches + batches[:1]))  # 3rd: padding.
     for run in (engine.train_chunk, engine.eval_chunk):
         stats = {k: np.asarray(v) for k, v in run(chunk, 2).items()}
         assert sorted(stats) == sorted(step.keys)

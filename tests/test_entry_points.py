@@ -9,11 +9,11 @@ import sysconfig
 import pytest
 
 COMMANDS = {
-    "kdist-train": ("kdist.cli:main", "--checkpoint-dir"),
-    "kdist-evaluate": ("kdist.cli:evaluate_main", "Restore the newest checkpoint"),
-    "kdist-bench": ("kdist.cli:bench_main", "--windows"),
-    "kdist-launch": ("kdist.launch:main", "--workers"),
-    "kdist-plot": ("kdist.plot:main", "metrics_file"),
+    "kdist-train": ("kdist.cli.train:main", "--checkpoint-dir"),
+    "kdist-evaluate": ("kdist.cli.evaluate:main", "Restore the newest checkpoint"),
+    "kdist-bench": ("kdist.bench.command:main", "--windows"),
+    "kdist-launch": ("kdist.cli.launch:main", "--workers"),
+    "kdist-plot": ("kdist.cli.plot:main", "metrics_file"),
 }
 
 

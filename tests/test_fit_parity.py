@@ -11,11 +11,13 @@ size divides by no global batch; one test compares a whole run of
 import keras
 import numpy as np
 import pytest
+from helpers import SEVERAL, prepare
 from keras import ops
 
 import kdist
-from helpers import SEVERAL, prepare
-from kdist import data, engines, steps
+from kdist import engines, tree
+from kdist.inputs import arrays, base
+from kdist.loop import chunks
 
 REPLICAS = [1, 2, 4]
 BATCH = 64
@@ -55,14 +57,14 @@ def on_kdist(model_fn, replicas, batch, weights=None, **kwargs):
     engine = engines.create_engine(replicas, distributed=replicas > 1)
     keras.utils.set_random_seed(1)
     if batch is not None:
-        kwargs.setdefault("sample", data.take_rows(batch, slice(0, 2)))
+        kwargs.setdefault("sample", tree.take_rows(batch, slice(0, 2)))
     model, step = prepare(engine, len(batch[0]) if batch else BATCH, model_fn,
                           optimizer_fn=None, learning_rate=None, **kwargs)
     if weights is not None:
         model.set_weights(weights)
         engine.compile_steps(step, model.optimizer)  # Takes the new values (JAX).
     if batch is not None:
-        engine.train_chunk(engine.distribute(steps.stack_chunk([batch])), 1)
+        engine.train_chunk(engine.distribute(chunks.stack_chunk([batch])), 1)
         engine.sync_to_model()
     return engine, model, step
 
@@ -146,7 +148,7 @@ def test_test_metrics_equal_keras_evaluate_on_an_uneven_test_set(replicas, model
     if model_fn is binary_classifier:
         y, test_y = (y == 0).astype(np.float32)[:, None], (test_y == 0).astype(np.float32)[:, None]
     engine, model, step = on_kdist(model_fn, replicas, (x[:BATCH], y[:BATCH], None))
-    results = steps.evaluate(engine, step, test_x, test_y, None, BATCH, steps_per_execution=4)
+    results = chunks.evaluate(engine, step, test_x, test_y, None, BATCH, steps_per_execution=4)
     reference = on_keras(model_fn, model.get_weights())
     expected = reference.evaluate(test_x, test_y, batch_size=BATCH, verbose=0,
                                   return_dict=True)
@@ -197,7 +199,7 @@ def test_dict_inputs_and_outputs_with_sample_weights_train_and_evaluate_as_in_fi
     assert_close(model.get_weights(), reference.get_weights(), 1e-6)
 
     test_x, test_y, test_weights = two_in_two_out_data(1001, seed=4)
-    results = steps.evaluate(engine, step, test_x, test_y, test_weights, BATCH)
+    results = chunks.evaluate(engine, step, test_x, test_y, test_weights, BATCH)
     expected = reference.evaluate(test_x, test_y, sample_weight=test_weights,
                                   batch_size=BATCH, verbose=0, return_dict=True)
     assert set(results) == set(expected)  # Per-output losses and metrics by Keras' names.
@@ -280,9 +282,9 @@ def test_a_whole_run_ends_where_fit_ends_on_the_same_batches(replicas, tmp_path)
     history = kdist.train_and_evaluate(config, kdist.Dataset(x, y, test_x, test_y, "toy"),
                                        model_fn=model_fn, log=lambda line: None)["history"]
     reference = on_keras(regularized_classifier, built[0])
-    rows = data.steps_per_epoch(len(x), BATCH) * BATCH
+    rows = base.steps_per_epoch(len(x), BATCH) * BATCH
     for epoch, ours in enumerate(history):
-        order = data.epoch_order(len(x), seed, epoch)[:rows]
+        order = arrays.epoch_order(len(x), seed, epoch)[:rows]
         fitted = reference.fit(x[order], y[order], batch_size=BATCH, epochs=1, shuffle=False,
                                verbose=0).history
         theirs = reference.evaluate(test_x, test_y, batch_size=BATCH, verbose=0,

@@ -1,4 +1,4 @@
-"""Grain datasets as kdist inputs (kdist.grainsource), as tests/test_inputs.py checks
+"""Grain datasets as kdist inputs (kdist.inputs.grainsource), as tests/test_inputs.py checks
 the other kinds: they train like the same batches, each worker reads only its
 batches of a MapDataset, evaluation counts every example once, a resume is
 exact, bad input is one clear error. Skipped only where grain is not installed
@@ -7,11 +7,20 @@ exact, bad input is one clear error. Skipped only where grain is not installed
 
 import numpy as np
 import pytest
+from test_inputs import (
+    SEED,
+    TEST,
+    TRAIN,
+    check_evaluation_shards,
+    final_weights,
+    in_batches,
+    max_difference,
+    resume_matches,
+    train,
+)
 
-from kdist import inputs
 from kdist.errors import DataError, UsageError
-from test_inputs import (SEED, TEST, TRAIN, check_evaluation_shards, final_weights,
-                         in_batches, max_difference, resume_matches, train)
+from kdist.inputs import sources
 
 grain = pytest.importorskip("grain", reason="grain is not installed (pip install kdist[grain])")
 
@@ -25,11 +34,11 @@ def test_a_shuffled_map_dataset_trains_on_grains_order_of_each_epoch(tmp_path):
     """Epoch e reads Grain's indices e * len .. (e + 1) * len - 1: the shuffle's
     order for epoch e, which a function of the epoch yields for comparison."""
     x, y = TRAIN
-    train(tmp_path, "grain", inputs.Inputs(examples(x, y).shuffle(seed=3).batch(25), TEST))
+    train(tmp_path, "grain", sources.Inputs(examples(x, y).shuffle(seed=3).batch(25), TEST))
     orders = [[grain.MapDataset.range(400).shuffle(seed=3)[e * 400 + i] for i in range(400)]
               for e in (0, 1)]
     assert orders[0] != orders[1] and sorted(orders[0]) == list(range(400))
-    train(tmp_path, "its order", inputs.Inputs(
+    train(tmp_path, "its order", sources.Inputs(
         lambda epoch: iter(in_batches(x[orders[epoch]], y[orders[epoch]], 25)), TEST))
     worst = max_difference(final_weights(tmp_path, "grain"), final_weights(tmp_path, "its order"))
     print(f"\nmax weight difference {worst:.3g}")
@@ -40,7 +49,7 @@ def test_each_worker_reads_only_the_map_dataset_batches_holding_its_rows():
     x, y = TRAIN
     read = []
     dataset = examples(x, y).batch(8).map_with_index(lambda i, batch: read.append(i) or batch)
-    source = inputs.source_for(dataset, "train")  # Reads batches 0 and 49.
+    source = sources.source_for(dataset, "train")  # Reads batches 0 and 49.
     read.clear()
     slices = list(source.train(32, seed=SEED, epoch=1, shard=(1, 2)))
     assert len(slices) == 12 and read == [50 + s * 4 + j for s in range(12) for j in (2, 3)]
@@ -51,20 +60,20 @@ def test_each_worker_reads_only_the_map_dataset_batches_holding_its_rows():
 def test_evaluation_splits_full_batches_and_shares_the_tail(kind):
     x, y = TEST
     dataset = examples(x, y).batch(64)
-    source = inputs.source_for(dataset if kind == "MapDataset" else dataset.to_iter_dataset(),
+    source = sources.source_for(dataset if kind == "MapDataset" else dataset.to_iter_dataset(),
                                "test")
     assert source.kind == f"grain.{kind}"
     check_evaluation_shards(source, x)
 
 
 def test_a_map_dataset_resumes_mid_epoch_exactly(tmp_path):
-    banner = resume_matches(tmp_path, lambda: inputs.Inputs(
+    banner = resume_matches(tmp_path, lambda: sources.Inputs(
         examples(*TRAIN).shuffle(seed=3).batch(25), examples(*TEST).batch(64)))
     assert "Data: train grain.MapDataset, test grain.MapDataset" in banner
 
 
 def test_an_iter_dataset_resumes_mid_epoch_exactly(tmp_path):
-    resume_matches(tmp_path, lambda: inputs.Inputs(
+    resume_matches(tmp_path, lambda: sources.Inputs(
         examples(*TRAIN).shuffle(seed=3).to_iter_dataset().batch(30), TEST))
 
 
@@ -86,8 +95,8 @@ def test_an_iter_dataset_resumes_mid_epoch_exactly(tmp_path):
 ])
 def test_bad_grain_input_is_one_clear_error(given, error, message):
     if error is None:  # The good case of the same shape: prepared without error.
-        assert inputs.prepare(inputs.Inputs(given(), TEST)).train.kind == "grain.IterDataset"
+        assert sources.prepare(sources.Inputs(given(), TEST)).train.kind == "grain.IterDataset"
         return
     with pytest.raises(error, match=message):
-        prepared = inputs.prepare(inputs.Inputs(given(), TEST))
+        prepared = sources.prepare(sources.Inputs(given(), TEST))
         list(prepared.train.train(32, seed=0, epoch=0))

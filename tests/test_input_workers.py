@@ -11,20 +11,20 @@ import os
 import subprocess
 import sys
 
-import pytest
-
 import input_worker
+import pytest
 from conftest import REPO
-from kdist import launch
 from test_inputs import final_weights, max_difference
 from test_multiworker import environment
+
+from kdist.workers.processes import free_ports
 
 WORKER = os.path.join(REPO, "tests", "input_worker.py")
 
 
 def two_workers(tmp_path, kind, folder):
     """Runs the 2 workers to their end; returns the chief's output."""
-    peers = ",".join(f"127.0.0.1:{port}" for port in launch.free_ports(2))
+    peers = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
     procs = [subprocess.Popen([sys.executable, WORKER, kind, folder, "8", peers, str(i)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=environment(tmp_path))

@@ -1,4 +1,4 @@
-"""Data from anywhere (kdist.inputs, kdist.pipelines): tf.data, PyDataset, functions, arrays.
+"""Data from anywhere (kdist.inputs, kdist.inputs.pipelines): tf.data, PyDataset, functions, arrays.
 
 Every kind trains like the same batches as arrays, evaluates every example
 once, resumes mid-epoch exactly, and refuses bad data with one clear error
@@ -16,11 +16,13 @@ import weakref
 import keras
 import numpy as np
 import pytest
-
 from helpers import SEVERAL
-from kdist import building, engines, inputs, pipelines, prefetch, steps, training
-from kdist.errors import DataError, UsageError
 from test_training import StopAfter, checkpoint_arrays, without_timing
+
+from kdist import engines
+from kdist.errors import DataError, UsageError
+from kdist.inputs import base, pipelines, sources
+from kdist.loop import building, chunks, prefetch, training
 
 needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
                               reason="tf.data needs TensorFlow, not installed here")
@@ -108,9 +110,9 @@ def test_batches_of_any_size_are_recut_into_global_batches():
     x, y = TRAIN
     sizes = [5, 7, 3, 9, 1, 15]
     edges = np.cumsum([0] + sizes)
-    check = inputs.BatchCheck("the data")
+    check = base.BatchCheck("the data")
     pairs = (check((x[a:b], y[a:b]), i) for i, (a, b) in enumerate(zip(edges, edges[1:])))
-    got = list(inputs.cut(inputs.drop_rows(pairs, 4), 8))
+    got = list(base.cut(base.drop_rows(pairs, 4), 8))
     assert [rows for _, rows in got] == [8, 8, 8, 8, 4]
     np.testing.assert_array_equal(np.concatenate([b[0] for b, _ in got]), x[4:40])
     np.testing.assert_array_equal(np.concatenate([b[1] for b, _ in got]), y[4:40])
@@ -128,7 +130,7 @@ def test_batches_of_any_size_are_recut_into_global_batches():
     ([np.zeros((4, 8))], r"batch 0 is a ndarray; every batch must be a tuple \(x, y\)"),
 ])
 def test_bad_batches_are_named(batches, message):
-    check = inputs.BatchCheck("the train data")
+    check = base.BatchCheck("the train data")
     with pytest.raises(DataError, match="the train data: " + message):
         for index, batch in enumerate(batches):
             check(batch, index)
@@ -144,7 +146,7 @@ def test_workers_slices_make_the_global_batch_and_share_the_tail(kind):
              "tf.data": lambda: tf_data(x, y, 100)}[kind]
     if kind == "tf.data":
         given = given()
-    source = inputs.source_for(given, "test")
+    source = sources.source_for(given, "test")
     one = list(source.evaluate(40))
     two = [list(source.evaluate(40, shard=(i, 2))) for i in range(2)]
     assert [whole for _, whole in one] == [False] * 25 + [True]
@@ -179,7 +181,7 @@ def test_pydataset_workers_read_only_the_batches_holding_their_rows():
             read.append(index)
             return super().__getitem__(index)
 
-    source = inputs.source_for(Recording(x, y, 8), "train")  # Reads batches 0 and 49.
+    source = sources.source_for(Recording(x, y, 8), "train")  # Reads batches 0 and 49.
     read.clear()
     slices = list(source.train(32, seed=SEED, epoch=0, shard=(1, 2)))
     order = np.random.default_rng([SEED, 0]).permutation(50)  # fit-like batch shuffle.
@@ -216,7 +218,7 @@ def test_the_next_chunk_is_prepared_on_another_thread_while_one_runs():
         seen.append((int(chunk[0][0, 0, 0]), count, len(made)))
         return {"loss_sum": np.zeros(2)}
 
-    _, done = steps.run_steps(Engine(), step_fn, batches(), {"loss_sum": 0.0},
+    _, done = chunks.run_steps(Engine(), step_fn, batches(), {"loss_sum": 0.0},
                               steps_per_execution=2)
     assert done == 6 and [s[:2] for s in seen] == [(0, 2), (2, 2), (4, 2)]
     assert seen[0][2] >= 4  # Chunk 2 was read before chunk 1 finished.
@@ -244,21 +246,21 @@ def test_every_kind_trains_like_the_same_batches(tmp_path):
     equals the arrays; a PyDataset equals a function yielding its batches in the
     (seed, epoch) order kdist takes them; tf.data (one epoch) equals the arrays."""
     x, y = TRAIN
-    arrays = train(tmp_path, "arrays", inputs.Inputs((x, y), TEST))
+    arrays = train(tmp_path, "arrays", sources.Inputs((x, y), TEST))
 
     def arrays_order(epoch):
         order = np.random.default_rng([SEED, epoch]).permutation(len(x))
         return iter(in_batches(x[order], y[order], 50))
 
-    function = train(tmp_path, "function", inputs.Inputs(arrays_order, TEST))
+    function = train(tmp_path, "function", sources.Inputs(arrays_order, TEST))
     worst = max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "function"))
     print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-6, worst
     assert without_timing(function["history"]) == without_timing(arrays["history"])
 
     batches = in_batches(x, y, 25)
-    train(tmp_path, "pydataset", inputs.Inputs(Batches(x, y, 25), TEST))
-    train(tmp_path, "its order", inputs.Inputs(lambda epoch: iter(
+    train(tmp_path, "pydataset", sources.Inputs(Batches(x, y, 25), TEST))
+    train(tmp_path, "its order", sources.Inputs(lambda epoch: iter(
         [batches[i] for i in np.random.default_rng([SEED, epoch]).permutation(16)]), TEST))
     worst = max_difference(final_weights(tmp_path, "pydataset"),
                            final_weights(tmp_path, "its order"))
@@ -269,9 +271,9 @@ def test_every_kind_trains_like_the_same_batches(tmp_path):
 @needs_tf
 def test_tf_data_trains_like_the_same_batches_as_arrays(tmp_path):
     x, y = TRAIN
-    train(tmp_path, "arrays", inputs.Inputs((x, y), TEST), epochs=1)
+    train(tmp_path, "arrays", sources.Inputs((x, y), TEST), epochs=1)
     order = np.random.default_rng([SEED, 0]).permutation(len(x))
-    result = train(tmp_path, "tf", inputs.Inputs(tf_data(x[order], y[order], 30),
+    result = train(tmp_path, "tf", sources.Inputs(tf_data(x[order], y[order], 30),
                                                  tf_data(*TEST, 100)), epochs=1)
     worst = max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "tf"))
     print(f"\nmax weight difference {worst:.3g}")
@@ -283,13 +285,13 @@ def test_evaluation_counts_every_example_once_whatever_the_kind():
     engine = engines.create_engine(2)
     keras.utils.set_random_seed(0)
     model, step = building.prepare_model(engine, 32, building.sample_rows(
-        inputs.prepare(inputs.Inputs(TRAIN, TEST))), make_mlp)
+        sources.prepare(sources.Inputs(TRAIN, TEST))), make_mlp)
     engine.compile_steps(step, model.optimizer)
     x, y = TEST
     kinds = [(x, y), Batches(x, y, 64), lambda: iter(in_batches(x, y, 37))]
     if importlib.util.find_spec("tensorflow"):
         kinds.append(tf_data(x, y, 100))
-    results = [steps.evaluate_source(engine, step, inputs.source_for(k, "test"), 32, 4)
+    results = [chunks.evaluate_source(engine, step, sources.source_for(k, "test"), 32, 4)
                for k in kinds]
     engine.sync_to_model()
     kernel, bias, out_kernel, out_bias = (np.asarray(w, np.float64) for w in model.get_weights())
@@ -333,10 +335,10 @@ def resume_matches(tmp_path, make_inputs, stop_after=16):
 @needs_tf
 def test_tf_data_that_reshuffles_every_epoch_resumes_mid_epoch_exactly(tmp_path):
     x, y = TRAIN
-    source = inputs.source_for(tf_data(x, y, 25, shuffle=7), "train")
+    source = sources.source_for(tf_data(x, y, 25, shuffle=7), "train")
     first = [next(iter(source.train(32, seed=0, epoch=e)))[0] for e in (0, 1)]
     assert not np.array_equal(*first)  # Each epoch has its own order: the replay matters.
-    resume_matches(tmp_path, lambda: inputs.Inputs(tf_data(x, y, 25, shuffle=7),
+    resume_matches(tmp_path, lambda: sources.Inputs(tf_data(x, y, 25, shuffle=7),
                                                    tf_data(*TEST, 100)))
 
 
@@ -348,7 +350,7 @@ def test_a_tf_data_pass_resumed_at_a_step_is_the_rest_of_the_epoch(drop_remainde
     def made():
         keras.utils.set_random_seed(1)
         dataset = tf_data(x, y, 1, shuffle=7).unbatch().batch(24, drop_remainder=drop_remainder)
-        return inputs.prepare(inputs.Inputs(dataset, TEST)).train
+        return sources.prepare(sources.Inputs(dataset, TEST)).train
 
     straight = made()
     epochs = [list(straight.train(32, seed=0, epoch=e)) for e in (0, 1)]
@@ -360,7 +362,7 @@ def test_a_tf_data_pass_resumed_at_a_step_is_the_rest_of_the_epoch(drop_remainde
 
 
 def test_pydataset_resumes_mid_epoch_exactly(tmp_path):
-    banner = resume_matches(tmp_path, lambda: inputs.Inputs(Batches(*TRAIN, 25),
+    banner = resume_matches(tmp_path, lambda: sources.Inputs(Batches(*TRAIN, 25),
                                                             Batches(*TEST, 64)))
     assert "Data: train PyDataset, test PyDataset (400 train, 1,001 test examples)" in banner
     assert "train function" not in banner
@@ -373,7 +375,7 @@ def test_a_function_of_the_epoch_resumes_mid_epoch_exactly(tmp_path):
         order = np.random.default_rng([9, epoch]).permutation(len(x))
         return iter(in_batches(x[order], y[order], 30))
 
-    banner = resume_matches(tmp_path, lambda: inputs.Inputs(shuffled, TEST))
+    banner = resume_matches(tmp_path, lambda: sources.Inputs(shuffled, TEST))
     assert ("; the train function is called again and its first 96 examples dropped: exact "
             "if it yields the same batches as before") in banner
 
@@ -382,7 +384,7 @@ def test_a_function_of_the_epoch_resumes_mid_epoch_exactly(tmp_path):
 def one_epoch(tmp_path_factory):
     """A checkpoint folder after one epoch of the toy data."""
     folder = tmp_path_factory.mktemp("one_epoch")
-    train(folder, "run", inputs.Inputs(TRAIN, TEST), epochs=1)
+    train(folder, "run", sources.Inputs(TRAIN, TEST), epochs=1)
     return folder / "run"
 
 
@@ -410,7 +412,7 @@ def test_bad_training_data_is_one_clear_error_and_nothing_is_written(
     shutil.copytree(one_epoch, folder)
     before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
     with pytest.raises(error, match=message):
-        train(tmp_path, "run", inputs.Inputs(train_data, TEST), epochs=2)
+        train(tmp_path, "run", sources.Inputs(train_data, TEST), epochs=2)
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
 
 
@@ -422,14 +424,14 @@ def test_tf_data_must_be_batched_finite_and_non_empty():
     examples = tf.data.Dataset.from_tensor_slices((x, y))
     with pytest.raises(DataError, match=r"a tf.data.Dataset of single examples .*batch it, "
                                         r"e.g. dataset.batch\(64\)"):
-        inputs.source_for(examples, "train")
+        sources.source_for(examples, "train")
     with pytest.raises(DataError, match="infinite tf.data.Dataset.*drop repeat"):
-        inputs.source_for(examples.batch(8).repeat(), "train")
+        sources.source_for(examples.batch(8).repeat(), "train")
     with pytest.raises(DataError, match="the test data is empty"):
-        inputs.prepare(inputs.Inputs(TRAIN, examples.batch(8).take(0)))
+        sources.prepare(sources.Inputs(TRAIN, examples.batch(8).take(0)))
     with pytest.raises(DataError, match="the test data is empty"):
-        inputs.prepare(inputs.Inputs(TRAIN, examples.batch(8).filter(lambda a, b: False)))
-    assert isinstance(inputs.source_for(examples.batch(8), "train"), pipelines.TfDataSource)
+        sources.prepare(sources.Inputs(TRAIN, examples.batch(8).filter(lambda a, b: False)))
+    assert isinstance(sources.source_for(examples.batch(8), "train"), pipelines.TfDataSource)
 
 
 @needs_tf
@@ -443,7 +445,7 @@ def test_tf_data_is_read_several_global_batches_at_a_time_where_shapes_allow():
     assert pipelines._read_rows((wide, wide), 16) == 16  # Capped by READ_BYTES: one batch.
     ragged = batched.map(lambda a, b: (a[:, :tf.shape(a)[0] % 8 + 1], b))
     assert pipelines._read_rows(ragged.element_spec, 16) is None  # A dimension not known.
-    source = inputs.source_for(batched, "train")
+    source = sources.source_for(batched, "train")
     read = list(pipelines.numpy_batches(pipelines._for_reading(batched, 16), "the train data"))
     assert [len(b[0]) for b in read] == [128, 128, 128, 16]
     np.testing.assert_array_equal(np.concatenate([b[0] for b in read]), x)
@@ -459,7 +461,7 @@ def test_tf_data_parts_of_different_lengths_are_one_clear_error():
     x, y = TRAIN
     unequal = tf.data.Dataset.zip((tf.data.Dataset.from_tensor_slices(x).batch(10),
                                    tf.data.Dataset.from_tensor_slices(y).batch(9)))
-    source = inputs.source_for(unequal, "train")
+    source = sources.source_for(unequal, "train")
     with pytest.raises(DataError, match=r"the train data: .*holds arrays of different lengths"):
         list(source.train(16, seed=0, epoch=0))
 
@@ -489,9 +491,9 @@ def test_a_tf_data_iterator_left_mid_epoch_is_deleted_off_the_reading_thread(mon
 
 def test_an_empty_test_set_fails_before_training():
     with pytest.raises(DataError, match="the test data is empty"):
-        inputs.prepare(inputs.Inputs(TRAIN, lambda: iter([])))
+        sources.prepare(sources.Inputs(TRAIN, lambda: iter([])))
     with pytest.raises(UsageError, match="kdist.Inputs has no train data"):
-        inputs.prepare(inputs.Inputs(test=TEST))
+        sources.prepare(sources.Inputs(test=TEST))
 
 
 # The README's examples.

@@ -1,11 +1,11 @@
-"""Signals during training: `kdist.interrupt.stop_on_signals`."""
+"""Signals during training: `kdist.workers.interrupt.stop_on_signals`."""
 
 import os
 import signal
 
 import pytest
 
-from kdist import interrupt
+from kdist.workers import interrupt
 
 
 def test_a_second_signal_ends_a_process_that_escalates():

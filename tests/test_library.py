@@ -50,7 +50,7 @@ def test_plot_script_writes_a_png(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
-    from kdist.plot import metric_names, read_epochs
+    from kdist.cli.plot import metric_names, read_epochs
 
     assert metric_names(read_epochs(str(metrics))) == ["loss", "accuracy", "auc"]
 

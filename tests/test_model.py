@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from kdist import model as kdist_model
+from kdist.models import cnn as kdist_model
 
 
 def gradients(layer, x):

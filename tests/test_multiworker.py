@@ -16,10 +16,11 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import REPO
-from kdist import checkpoints, launch
 from test_training import checkpoint_arrays
+
+from kdist import checkpoints
+from kdist.workers.processes import free_ports
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 LAUNCH = os.path.join(REPO, "scripts", "launch.py")
@@ -213,7 +214,7 @@ def test_killing_the_launcher_stops_its_workers_after_a_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_a_worker_without_peers_gives_up_with_a_clear_error(tmp_path, index):
-    ports = launch.free_ports(2)
+    ports = free_ports(2)
     result = subprocess.run(
         [sys.executable, TRAIN, "--synthetic", "--checkpoint-dir", str(tmp_path),
          "--peers", ",".join(f"127.0.0.1:{p}" for p in ports), "--worker-index", str(index),

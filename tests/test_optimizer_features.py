@@ -12,11 +12,13 @@ import warnings
 import keras
 import numpy as np
 import pytest
-
 from helpers import SEVERAL
-from kdist import building, checkpoints, data, engines, steps, training
-from kdist.step import ema_variables
 from test_training import StopAfter, checkpoint_arrays
+
+from kdist import checkpoints, engines
+from kdist.inputs import arrays
+from kdist.loop import building, chunks, training
+from kdist.step.optimizer import ema_variables
 
 TOLERANCE = 1e-6
 BATCH = 8  # Global batch: splits over 1, 2 and 4 replicas.
@@ -57,7 +59,7 @@ def trained(optimizer_fn, replicas, batch=BATCH, count=1):
                                          model_fn(optimizer_fn))
     initial = [np.array(w) for w in model.get_weights()]
     engine.compile_steps(step, model.optimizer)
-    engine.train_chunk(engine.distribute(steps.stack_chunk(batches(batch, count))), count)
+    engine.train_chunk(engine.distribute(chunks.stack_chunk(batches(batch, count))), count)
     engine.sync_to_model()
     return initial, model, engine
 
@@ -194,7 +196,7 @@ def values(variables):
 def evaluated_loss(engine, rows):
     """The mean loss of the engine's evaluation of `rows` of (X, Y)."""
     x, y = X[rows], Y[rows]
-    stats = engine.eval_chunk(engine.distribute(steps.stack_chunk([(x, y, None)])), 1)
+    stats = engine.eval_chunk(engine.distribute(chunks.stack_chunk([(x, y, None)])), 1)
     return float(np.asarray(stats["loss_sum"])[0]) / float(np.asarray(stats["count"])[0])
 
 
@@ -239,7 +241,7 @@ def test_evaluation_uses_the_moving_averages_that_fit_ends_with(overwrite):
 
 
 def tiny_dataset():
-    return data.Dataset(X, Y, X[:20], Y[:20], source="test_optimizer_features")
+    return arrays.Dataset(X, Y, X[:20], Y[:20], source="test_optimizer_features")
 
 
 def config(tmp_path, name, **overrides):

@@ -14,14 +14,17 @@ import keras
 import numpy as np
 import pytest
 from keras import ops
-
-from kdist import (building, checkpoints, cli, config, data, engines, flags, reporting, steps,
-                   training)
-from kdist.bench import format_table
-from kdist.errors import UsageError
-from kdist.model import create_model
-from kdist.records import EpochRecord
 from test_training import checkpoint_arrays
+
+from kdist import checkpoints, config, engines, tree
+from kdist.bench.measure import format_table
+from kdist.cli import flags
+from kdist.cli import train as train_cli
+from kdist.errors import UsageError
+from kdist.inputs import arrays
+from kdist.loop import building, chunks, reporting, training
+from kdist.models.cnn import create_model
+from kdist.records import EpochRecord
 
 UNIT_ROUNDOFF = {"mixed_bfloat16": 2.0 ** -8, "mixed_float16": 2.0 ** -11}
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16",
@@ -80,17 +83,17 @@ def scaled_sgd(initial_scale, rate=0.5, dynamic_growth_steps=2000):
 def train(model_fn, precision, replicas, batches, sample=(IMAGES[:2], LABELS[:2], None),
           chunk=4):
     """`batches` on `replicas` replicas (None: undistributed), `chunk` steps per
-    compiled call, as the loop runs them (`kdist.steps.run_steps`).
+    compiled call, as the loop runs them (`kdist.loop.chunks.run_steps`).
 
     Returns (weights before, weights after, model, per-step statistics, totals)."""
     engine = engines.create_engine(replicas or 1, distributed=replicas is not None)
     keras.utils.set_random_seed(1)
-    model, step = building.prepare_model(engine, len(data.leaves(batches[0][0])[0]), sample,
+    model, step = building.prepare_model(engine, len(tree.leaves(batches[0][0])[0]), sample,
                                          model_fn, precision=precision)
     before = [np.array(w) for w in model.get_weights()]
     engine.compile_steps(step, model.optimizer)
     per_step = []
-    totals, _ = steps.run_steps(engine, engine.train_chunk, batches, steps.zero_totals(step),
+    totals, _ = chunks.run_steps(engine, engine.train_chunk, batches, chunks.zero_totals(step),
                                 on_step=lambda done, stats, totals, end: per_step.append(stats),
                                 steps_per_execution=min(chunk, len(batches)))
     engine.sync_to_model()
@@ -167,11 +170,11 @@ def test_precision_is_checked_as_a_setting_and_a_flag(tmp_path):
     with pytest.raises(UsageError, match="precision must be one of float32, mixed_bfloat16, "
                                          "mixed_float16, got 'float16'"):
         training.TrainConfig(precision="float16")
-    args = cli.train_parser().parse_args(["--precision", "mixed_bfloat16"])
+    args = train_cli.train_parser().parse_args(["--precision", "mixed_bfloat16"])
     assert flags.config_from_args(args).precision == "mixed_bfloat16"
-    assert cli.train_parser().parse_args([]).precision == "float32"
+    assert train_cli.train_parser().parse_args([]).precision == "float32"
     with pytest.raises(SystemExit):
-        cli.train_parser().parse_args(["--precision", "bfloat16"])
+        train_cli.train_parser().parse_args(["--precision", "bfloat16"])
     bench_flag = flags.names(config.PRECISIONS)  # kdist-bench --precision
     assert bench_flag("float32,mixed_bfloat16,float32") == ("float32", "mixed_bfloat16")
     with pytest.raises(Exception, match="expected one or more of"):
@@ -255,7 +258,7 @@ def test_a_fixed_loss_scale_factor_scales_the_loss_and_unscales_the_gradients():
     assert worst <= 1e-6, f"a loss_scale_factor of 1024 changes the step by {worst}"
 
 
-# Dynamic loss scaling and skipped steps.
+# Dynamic loss scaling and skipped chunks.
 
 def test_the_optimizer_a_loss_scale_optimizer_wraps_accumulates_the_summed_gradients():
     # The TensorFlow engine's adjustments (`kdist.engines.tf_optimizer`) must
@@ -338,7 +341,7 @@ def test_skipped_steps_reach_the_epoch_lines_and_the_metrics_file_and_resume_exa
     # steps and the loss scale changes throughout.
     model_fn = compiled(tiny_mlp, lambda: keras.optimizers.LossScaleOptimizer(
         keras.optimizers.Adam(0.01), initial_scale=2.0 ** 24, dynamic_growth_steps=2))
-    dataset = data.Dataset(FEATURES[:48], CLASSES[:48], FEATURES[48:], CLASSES[48:], "toy")
+    dataset = arrays.Dataset(FEATURES[:48], CLASSES[:48], FEATURES[48:], CLASSES[48:], "toy")
 
     def run(name, epochs, lines=None):
         config = training.TrainConfig(

@@ -9,9 +9,11 @@ global batches, then the rest as one smaller batch).
 import keras
 import numpy as np
 import pytest
-
 from helpers import SEVERAL
-from kdist import building, data, engines, steps, training
+
+from kdist import engines
+from kdist.inputs import arrays
+from kdist.loop import building, chunks, training
 
 BACKEND = keras.backend.backend()
 FEATURES, TRAIN, TEST = 5, 128, 1001
@@ -73,7 +75,7 @@ def test_sgd_steps_and_evaluation_equal_keras(replicas, outputs):
     engine.compile_steps(step, model.optimizer)
     batches = [tuple(a[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH] for a in train)
                + (None,) for i in range(STEPS)]
-    totals, done = steps.run_steps(engine, engine.train_chunk, batches, steps.zero_totals(step),
+    totals, done = chunks.run_steps(engine, engine.train_chunk, batches, chunks.zero_totals(step),
                                    steps_per_execution=STEPS)
     engine.sync_to_model()
     assert done == STEPS
@@ -87,7 +89,7 @@ def test_sgd_steps_and_evaluation_equal_keras(replicas, outputs):
 
     # kdist's evaluation of 1,001 rows (full global batches and the rest) vs Keras
     # evaluate, both on kdist's trained weights.
-    results = steps.evaluate(engine, step, *test, None, GLOBAL_BATCH, steps_per_execution=3)
+    results = chunks.evaluate(engine, step, *test, None, GLOBAL_BATCH, steps_per_execution=3)
     no_distribution()
     reference.set_weights(trained)
     expected = reference.evaluate(*test, batch_size=50, verbose=0, return_dict=True)
@@ -131,11 +133,11 @@ def test_sample_weights_go_to_weighted_metrics_only_as_in_keras():
     batches = [tuple(a[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
                      for a in (*train, train_weight))
                for i in range(STEPS)]
-    totals, _ = steps.run_steps(engine, engine.train_chunk, batches, steps.zero_totals(step),
+    totals, _ = chunks.run_steps(engine, engine.train_chunk, batches, chunks.zero_totals(step),
                                 steps_per_execution=STEPS)
     engine.sync_to_model()
     trained = step.results(totals)
-    results = steps.evaluate(engine, step, *test, test_weight, GLOBAL_BATCH,
+    results = chunks.evaluate(engine, step, *test, test_weight, GLOBAL_BATCH,
                              steps_per_execution=3)
     no_distribution()
     reference.set_weights(model.get_weights())
@@ -151,7 +153,7 @@ def test_sample_weights_go_to_weighted_metrics_only_as_in_keras():
 
 def test_train_and_evaluate_reports_keras_evaluate_numbers_for_float_targets(tmp_path):
     (train_x, train_y), (test_x, test_y) = regression_data(3)
-    dataset = data.Dataset(train_x, train_y, test_x, test_y)
+    dataset = arrays.Dataset(train_x, train_y, test_x, test_y)
     built = []
 
     def model_fn():

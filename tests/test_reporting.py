@@ -5,10 +5,11 @@ import json
 import os
 
 import pytest
-
-from kdist import checkpoints, records, reporting
-from kdist.startup import UsageError
 from test_training import config, run
+
+from kdist import checkpoints, records
+from kdist.loop import reporting
+from kdist.runtime.startup import UsageError
 
 
 def json_lines(path):

@@ -1,12 +1,15 @@
-"""ResNet-20 (`kdist.resnet`), the benchmark's larger model: its shape, and one
+"""ResNet-20 (`kdist.models.resnet`), the benchmark's larger model: its shape, and one
 kdist step on 2 replicas."""
 
 import keras
 import numpy as np
 import pytest
-
 from helpers import prepare
-from kdist import engines, resnet, steps
+
+from kdist import engines
+from kdist.datasets import cifar_shaped
+from kdist.loop import chunks
+from kdist.models import resnet
 from kdist.precision import policy
 
 
@@ -20,7 +23,7 @@ def trained():
     compiles its initializer), and 16 examples of its data."""
     engine = engines.create_engine(2)
     keras.utils.set_random_seed(0)
-    dataset = resnet.synthetic_cifar(num_train=16, num_test=2, seed=0)
+    dataset = cifar_shaped.synthetic_cifar(num_train=16, num_test=2, seed=0)
     sample = (dataset.train_x[:2], dataset.train_y[:2], None)
     model, _ = prepare(engine, 16, model_fn=resnet.create_resnet20, sample=sample,
                        learning_rate=0.1)
@@ -45,7 +48,7 @@ def test_resnet20_has_its_layers_and_returns_float32_logits(trained):
 
 
 def test_synthetic_cifar_has_cifar_shapes_and_ten_classes():
-    dataset = resnet.synthetic_cifar(num_train=64, num_test=16, seed=1)
+    dataset = cifar_shaped.synthetic_cifar(num_train=64, num_test=16, seed=1)
     assert dataset.train_x.shape == (64, 32, 32, 3) and dataset.test_x.shape == (16, 32, 32, 3)
     assert dataset.train_x.dtype == np.float32 and 0 <= dataset.train_x.min() <= 1
     assert set(np.unique(dataset.train_y)) <= set(range(10))
@@ -55,7 +58,7 @@ def test_synthetic_cifar_has_cifar_shapes_and_ten_classes():
 def test_one_kdist_step_on_two_replicas_changes_weights_and_batch_statistics(trained):
     engine, model, dataset = trained
     before = {v.path: np.array(v) for v in model.variables}
-    stats = engine.train_chunk(engine.distribute(steps.stack_chunk(
+    stats = engine.train_chunk(engine.distribute(chunks.stack_chunk(
         [(dataset.train_x, dataset.train_y, None)])), 1)
     engine.sync_to_model()
     after = {v.path: np.array(v) for v in model.variables}

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from kdist import checkpoints, runlock
+from kdist import checkpoints
+from kdist.checkpoints import runlock
 
 
 def locked(folder, break_lock=False):

@@ -1,4 +1,4 @@
-"""Process start-up settings (`kdist.startup`, `kdist.memory`), each checked in a fresh process."""
+"""Process start-up settings (`kdist.runtime.startup`, `kdist.runtime.memory`), each checked in a fresh process."""
 
 import json
 import os
@@ -6,10 +6,9 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO
 
-from kdist import memory, startup
+from kdist.runtime import memory, startup
 
 # Every script starts with this: kdist importable, glibc's malloc, mallinfo2.
 _PREAMBLE = """

@@ -11,13 +11,15 @@ reproducible from the seed.
 import keras
 import numpy as np
 import pytest
-from keras import ops
-
 from helpers import SEVERAL
-from kdist import building, checkpoints, data, engines, steps, training
-from kdist.step import metric_key
-from kdist.errors import Interrupted
+from keras import ops
 from test_training import StopAfter, checkpoint_arrays, without_timing
+
+from kdist import checkpoints, engines
+from kdist.datasets import fashion_mnist
+from kdist.errors import Interrupted
+from kdist.loop import building, chunks, training
+from kdist.step.compiled import metric_key
 
 BACKEND = keras.backend.backend()
 
@@ -103,7 +105,7 @@ def fit_once(dataset, seed):
 
 
 def test_bn_dropout_cnn_trains_like_keras_fit_within_noise(tmp_path):
-    dataset = data.synthetic_fashion_mnist(num_train=1024, num_test=512, seed=2)
+    dataset = fashion_mnist.synthetic_fashion_mnist(num_train=1024, num_test=512, seed=2)
     fits = [fit_once(dataset, seed) for seed in FIT_SEEDS]
     recording = Recording(bn_dropout_cnn)
     config = training.TrainConfig(epochs=EPOCHS, batch_size_per_replica=BATCH // SEVERAL,
@@ -134,7 +136,7 @@ def test_bn_dropout_cnn_trains_like_keras_fit_within_noise(tmp_path):
 
 
 def test_resume_mid_epoch_is_bitwise_the_uninterrupted_run(tmp_path):
-    dataset = data.synthetic_fashion_mnist(num_train=256, num_test=64, seed=4)
+    dataset = fashion_mnist.synthetic_fashion_mnist(num_train=256, num_test=64, seed=4)
 
     def config(name):
         return training.TrainConfig(
@@ -256,9 +258,9 @@ def dropout_outputs(replicas, seed, train_steps=2):
     (key,) = [metric_key(i) for i, v in enumerate(step.metric_variables)
               if tuple(v.shape) == (ROWS, UNITS)]
     batch = (ONES, ROW_IDS, None)
-    chunk = engine.distribute(steps.stack_chunk([batch] * train_steps))
+    chunk = engine.distribute(chunks.stack_chunk([batch] * train_steps))
     trained = np.asarray(engine.train_chunk(chunk, train_steps)[key])
-    evaluated = np.asarray(engine.eval_chunk(engine.distribute(steps.stack_chunk([batch])),
+    evaluated = np.asarray(engine.eval_chunk(engine.distribute(chunks.stack_chunk([batch])),
                                              1)[key])
     return trained, evaluated[0]
 
@@ -319,7 +321,7 @@ def moving_statistics_after_a_step(replicas, tmp_path):
     x, y = bn_batch()
     model, step = building.prepare_model(engine, len(x), (x[:2], y[:2], None), bn_model)
     engine.compile_steps(step, model.optimizer)
-    engine.train_chunk(engine.distribute(steps.stack_chunk(
+    engine.train_chunk(engine.distribute(chunks.stack_chunk(
         [(x, y, None)])), 1)
     engine.sync_to_model()
     layer = model.layers[0]

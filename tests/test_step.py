@@ -1,12 +1,13 @@
-"""The step's math (`kdist.step.Step`), outside any engine: loss shares, padding, metrics."""
+"""The step's math (`kdist.step.compiled.Step`), outside any engine: loss shares, padding, metrics."""
 
 import keras
 import numpy as np
 import pytest
 from keras import ops
 
-from kdist import losses, steps
-from kdist.step import Step, build_metrics
+from kdist.loop import chunks
+from kdist.models import losses
+from kdist.step.compiled import Step, build_metrics
 
 
 def one_hot_model(regularization=0.0, compute_loss=None):
@@ -41,7 +42,7 @@ def test_statistics_sum_the_loss_and_count_the_model_losses_per_example(regulari
     penalty = regularization * 25.0 * 10  # L2 of 5 * I (10 x 10).
     assert stats["count"] == 3.0
     assert stats["loss_sum"] == pytest.approx(per_example.sum() + 3 * penalty, rel=1e-6)
-    totals = steps.zero_totals(step)
+    totals = chunks.zero_totals(step)
     for key in totals:
         totals[key] = totals[key] + stats[key]
     assert step.results(totals)["accuracy"] == pytest.approx(2 / 3, rel=1e-6)

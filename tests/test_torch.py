@@ -1,4 +1,4 @@
-"""The torch engine: one process per replica (`kdist.replicas`), the same math as one.
+"""The torch engine: one process per replica (`kdist.workers.replicas`), the same math as one.
 
 Every multi-replica case here runs real processes joined by torch.distributed
 (gloo); each process feeds its shard of every global batch.
@@ -13,12 +13,14 @@ import time
 import keras
 import numpy as np
 import pytest
-
 from conftest import REPO
 from helpers import prepare
-from kdist import cluster, data, engines, replicas, steps
+
+from kdist import engines, tree
 from kdist.engines import contract
 from kdist.errors import TrainingError, UsageError
+from kdist.loop import chunks
+from kdist.workers import cluster, replicas
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch",
                                 reason="the torch engine; other backends run in one process")
@@ -36,11 +38,11 @@ def one_step_and_evaluation(dataset, log, stop):
     model, step = prepare(engine, GLOBAL_BATCH, learning_rate=0.5)
     before = [np.array(w) for w in model.get_weights()]
     rank, count = engine.shard
-    batch = data.take_rows(dataset.split("train"), slice(0, GLOBAL_BATCH))
+    batch = tree.take_rows(dataset.split("train"), slice(0, GLOBAL_BATCH))
     per_process = GLOBAL_BATCH // count
-    shard = data.take_rows(batch, slice(rank * per_process, (rank + 1) * per_process))
-    stats = engine.train_chunk(engine.distribute(steps.stack_chunk([shard])), 1)
-    results = steps.evaluate(engine, step, *dataset.split("test"), GLOBAL_BATCH)
+    shard = tree.take_rows(batch, slice(rank * per_process, (rank + 1) * per_process))
+    stats = engine.train_chunk(engine.distribute(chunks.stack_chunk([shard])), 1)
+    results = chunks.evaluate(engine, step, *dataset.split("test"), GLOBAL_BATCH)
     return (before, [np.array(w) for w in model.get_weights()],
             {k: float(np.asarray(v)[0]) for k, v in stats.items()}, results)
 
@@ -111,7 +113,7 @@ def test_torchrun_variables_describe_the_process_group():
 
 
 def children(pid):
-    """The replica processes `pid` started (`kdist.replicas`)."""
+    """The replica processes `pid` started (`kdist.workers.replicas`)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         pids = [int(p) for p in f.read().split()]
     found = []
@@ -147,7 +149,7 @@ def wait_for_training(process, tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if os.path.exists(tmp_path / "ckpt") and len(children(process.pid)) >= 2:
-            time.sleep(8)  # Past start-up, into the steps.
+            time.sleep(8)  # Past start-up, into the chunks.
             return [p for p in children(process.pid) if alive(p)]
         time.sleep(0.5)
     process.kill()

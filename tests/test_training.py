@@ -5,9 +5,11 @@ import os
 import h5py
 import numpy as np
 import pytest
-
 from helpers import SEVERAL
-from kdist import checkpoints, losses, training
+
+from kdist import checkpoints
+from kdist.loop import training
+from kdist.models import losses
 
 TIMING = ("seconds", "samples_per_sec")
 

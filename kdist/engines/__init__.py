@@ -9,7 +9,7 @@ import importlib
 import keras
 
 from kdist.errors import UsageError  # noqa: F401 (kdist.engines.UsageError, as before)
-from kdist.startup import BACKENDS, check_backend  # noqa: F401 (one registry, in startup)
+from kdist.runtime.startup import BACKENDS, check_backend  # noqa: F401 (one registry, in startup)
 
 
 def _backend_module():
@@ -24,7 +24,7 @@ def create_engine(replicas=None, distributed=True):
 
 
 def replica_processes(replicas):
-    """How many processes to start for `replicas` replicas (`kdist.replicas`): 0
+    """How many processes to start for `replicas` replicas (`kdist.workers.replicas`): 0
     where the engine runs them in this process (TensorFlow, JAX), where one
     replica is asked for, or where this process already is one replica of a
     group; `replicas` where the engine runs one replica per process (torch)."""
@@ -35,7 +35,7 @@ def replica_processes(replicas):
 
 
 def connect(spec, replicas=None):
-    """Joins the workers of `spec` (a `kdist.cluster.ClusterSpec`) on the active backend.
+    """Joins the workers of `spec` (a `kdist.workers.cluster.ClusterSpec`) on the active backend.
 
     Must run first, before any tensor or Keras object exists: TensorFlow's
     MultiWorkerMirroredStrategy and JAX's distributed runtime both have to be

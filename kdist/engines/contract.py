@@ -1,21 +1,21 @@
 """The engine contract: what the loop needs from a backend, as code.
 
-`kdist.training` runs one loop for every backend; everything backend-specific
+`kdist.loop.training` runs one loop for every backend; everything backend-specific
 sits behind this interface, one module per backend (`kdist/engines/<name>.py`,
 class `Engine`). The division of work:
 
-- The loop (`kdist.training`) makes fixed-shape NumPy batches
+- The loop (`kdist.loop.training`) makes fixed-shape NumPy batches
   `(x, y, sample_weight)` (x and y: arrays or tuples/dicts of them;
   sample_weight: an array or None), groups K of them into a chunk, pads a
   short last chunk with copies of its last batch, and stacks every array to
   shape (K, batch, ...)
-  (`kdist.steps.stack_chunk`). It accounts statistics step by step, decides
+  (`kdist.loop.chunks.stack_chunk`). It accounts statistics step by step, decides
   when to checkpoint and when to stop.
-- The step's math (`kdist.step.Step`: forward pass, loss, its share of the
+- The step's math (`kdist.step.compiled.Step`: forward pass, loss, its share of the
   global batch, metrics) is one backend-agnostic function of the
   variables' values and a batch.
 - The engine places a stacked chunk on its replicas (`distribute`; on
-  torch one replica per process, `kdist.replicas`), runs
+  torch one replica per process, `kdist.workers.replicas`), runs
   the chunk's first `num_steps` steps in one compiled call (`train_chunk`,
   `eval_chunk`; the rest is padding, so every call has one shape): it
   differentiates the step's loss, sums the gradients over replicas, lets
@@ -25,7 +25,7 @@ class `Engine`). The division of work:
 Statistics are the dict of `Step.loss_and_updates`, keyed by `Step.keys`:
 per key, an array whose first axis holds the `num_steps` steps' values
 (any values after them belong to padding and are ignored). In a train step
-the engine sets `skipped` to `kdist.step.skipped(optimizer, summed
+the engine sets `skipped` to `kdist.step.optimizer.skipped(optimizer, summed
 gradients)`, counted once per step whatever the replica count.
 
 `tests/test_engines.py` checks every installed engine against this class.
@@ -62,14 +62,14 @@ class Engine(Protocol):
         """The context in which the model, optimizer and variables must be created."""
 
     def compile_steps(self, step: Any, optimizer: Any) -> None:
-        """Builds the train and eval chunk functions of `step`, a `kdist.step.Step`.
+        """Builds the train and eval chunk functions of `step`, a `kdist.step.compiled.Step`.
 
         `optimizer` (None for evaluation only) must already be built. Each
         program calls `step.loss_and_updates` with the share of the global
         batch it sees, the share Keras' compiled loss has already divided
         itself by there (`keras_share`: only tf.distribute's replicas do),
         and, in training, the optimizer's current loss scale
-        (`kdist.step.loss_scale`; mixed_float16); the gradients of those
+        (`kdist.step.optimizer.loss_scale`; mixed_float16); the gradients of those
         losses are summed over the replicas before the optimizer sees them
         (so clipping and accumulation act on the global gradient, and a
         `LossScaleOptimizer` unscales the sum and skips a non-finite step on
@@ -80,7 +80,7 @@ class Engine(Protocol):
         """Places a stacked chunk, a structure of NumPy arrays of shape (K, local
         batch, ...), on this process's replicas, split along the batch axis.
 
-        Called on the loop's background thread (`kdist.prefetch`), one chunk
+        Called on the loop's background thread (`kdist.loop.prefetch`), one chunk
         ahead, while a compiled call runs: it must not run a collective."""
 
     def train_chunk(self, chunk: Any, num_steps: int) -> dict:
@@ -93,7 +93,7 @@ class Engine(Protocol):
 
         With an optimizer compiled with `use_ema=True`, the model is
         evaluated with the optimizer's moving averages in place of its
-        trainable weights (`kdist.step.ema_variables`), as Keras' `fit`
+        trainable weights (`kdist.step.optimizer.ema_variables`), as Keras' `fit`
         leaves the model at its end."""
 
     def eval_whole(self, batch: tuple) -> dict:

@@ -12,7 +12,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kdist.errors import UsageError
-from kdist.step import ema_variables, loss_scale, skipped
+from kdist.step.optimizer import ema_variables, loss_scale, skipped
 
 
 def connect(spec, replicas=None):
@@ -90,17 +90,17 @@ class Engine:
 
     def compile_steps(self, step, optimizer):
         """Takes the model's state as arrays and jits the two chunk functions
-        of `step` (a `kdist.step.Step`); `optimizer` (None: evaluation only)
+        of `step` (a `kdist.step.compiled.Step`); `optimizer` (None: evaluation only)
         must already be built.
 
         The program sees the whole sharded global batch, so the step's
         loss is the global-batch loss (share 1, times the optimizer's loss
-        scale read from its state, `kdist.step.loss_scale`) and its
+        scale read from its state, `kdist.step.optimizer.loss_scale`) and its
         gradients are already summed over devices (XLA all-reduces them).
         A `LossScaleOptimizer`'s `stateless_apply` unscales them and skips
         a step whose gradients are not finite (`skipped`). Evaluation uses
         the optimizer's moving averages of the weights if it keeps them
-        (`kdist.step.ema_variables`).
+        (`kdist.step.optimizer.ema_variables`).
         """
         self.model, self.optimizer = step.model, optimizer
         self._read_state()

@@ -7,7 +7,7 @@ import tensorflow as tf
 
 from kdist.engines import tf_optimizer
 from kdist.errors import UsageError
-from kdist.step import ema_variables, loss_scale, skipped
+from kdist.step.optimizer import ema_variables, loss_scale, skipped
 
 
 def split_cpu(count):
@@ -109,12 +109,12 @@ class Engine:
         return self.strategy.scope()
 
     def compile_steps(self, step, optimizer):
-        """Builds the two chunk functions of `step` (a `kdist.step.Step`),
+        """Builds the two chunk functions of `step` (a `kdist.step.compiled.Step`),
         traced at their first call; `optimizer` (None: evaluation only) must
         already be built.
 
         Each replica differentiates its share (1/R) of the global-batch
-        loss (times the optimizer's loss scale, `kdist.step.loss_scale`);
+        loss (times the optimizer's loss scale, `kdist.step.optimizer.loss_scale`);
         kdist sums the gradients over replicas, then the optimizer
         clips, accumulates and applies the global gradient, the same on
         every replica (its own per-replica sum is turned off, see
@@ -123,7 +123,7 @@ class Engine:
         first replica alone reports that (`skipped`), so the sum over
         replicas counts the step once. Evaluation uses the optimizer's
         moving averages of the weights if it keeps them
-        (`kdist.step.ema_variables`).
+        (`kdist.step.optimizer.ema_variables`).
         """
         self.model, self.optimizer = step.model, optimizer
         model, share = step.model, 1.0 / self.num_replicas

@@ -11,7 +11,7 @@ global gradient. Both replace methods of the one optimizer instance.
 import tensorflow as tf
 from keras import ops
 
-from kdist.step import inner_optimizer
+from kdist.step.optimizer import inner_optimizer
 
 
 def apply_reduced(optimizer):

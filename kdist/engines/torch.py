@@ -3,7 +3,7 @@
 Keras has no distribution for the torch backend, so each replica is a
 process (gloo on CPUs, NCCL on GPUs) that runs the step eagerly on its
 shard of every global batch. `connect` joins a process group (torchrun,
-`kdist-launch`, `--peers`); `kdist.replicas` starts the processes of
+`kdist-launch`, `--peers`); `kdist.workers.replicas` starts the processes of
 `--replicas N` on one machine itself.
 """
 
@@ -15,12 +15,12 @@ import keras
 import torch
 import torch.distributed as dist
 
-from kdist import launch
-from kdist.data import map_arrays as _map_arrays
 from kdist.errors import ReplicaPerProcess, UsageError
-from kdist.step import ema_variables, loss_scale, skipped
+from kdist.step.optimizer import ema_variables, loss_scale, skipped
+from kdist.tree import map_arrays as _map_arrays
+from kdist.workers.processes import LOCAL_PROCESSES_VARIABLE
 
-# The loop starts one process per replica for this engine (`kdist.replicas`).
+# The loop starts one process per replica for this engine (`kdist.workers.replicas`).
 PROCESS_PER_REPLICA = True
 _SEED_STRIDE = 1_000_003  # Separates the replicas' random streams.
 
@@ -63,7 +63,7 @@ def _share_cores():
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return
-    local = (os.environ.get(launch.LOCAL_PROCESSES_VARIABLE)
+    local = (os.environ.get(LOCAL_PROCESSES_VARIABLE)
              or os.environ.get("LOCAL_WORLD_SIZE") or "1")
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(local)))
 
@@ -78,7 +78,7 @@ class Engine:
 
     Args:
         replicas: None, the process group's size (a group is needed for
-            more than 1: `kdist.replicas` starts one), or 1 (this process's).
+            more than 1: `kdist.workers.replicas` starts one), or 1 (this process's).
         distributed: False runs alone even inside a group, as for
             evaluating a restored model.
     """
@@ -107,7 +107,7 @@ class Engine:
         return contextlib.nullcontext()
 
     def compile_steps(self, step, optimizer):
-        """Prepares the eager train and eval steps of `step` (a `kdist.step.Step`);
+        """Prepares the eager train and eval steps of `step` (a `kdist.step.compiled.Step`);
         `optimizer` (None: evaluation only) must already be built.
 
         Every process starts from process 0's variables (broadcast). Each

@@ -1,0 +1,161 @@
+"""What the commands share: exit statuses, the data and multi-worker flags, start-up.
+
+Every main maps kdist's errors to exit statuses in one place, `run`.
+"""
+
+import functools
+import signal
+import sys
+import warnings
+
+import kdist
+from kdist import checks, errors
+from kdist.cli.flags import add_config_flags, positive
+from kdist.datasets.sizes import FASHION_MNIST_TRAIN
+from kdist.runtime import startup
+from kdist.workers import cluster, interrupt
+
+
+def _usage(parser, error):
+    parser.error(str(error))  # The usage, then "PROG: error: ...": exit status 2.
+
+
+def _interrupted(parser, error):
+    print(f"interrupted: {error}", file=sys.stderr)
+    # A worker stopped by another's signal exits as if terminated.
+    return 128 + getattr(signal, error.signal_name or "SIGTERM")
+
+
+def _failed(parser, error):
+    print(f"error: {error}", file=sys.stderr)
+    return 1
+
+
+# How each kind of error ends a script, first match wins: usage errors exit 2
+# as argparse's own do, a stop on a signal 128 + the signal, the rest 1.
+EXIT_STATUSES = ((errors.UsageError, _usage), (errors.Interrupted, _interrupted),
+                 (errors.KdistError, _failed))
+
+
+def run(parser, argv, body, failures=()):
+    """Parses `argv` and returns `body(args)`; a kdist error (or one of `failures`)
+    ends as `EXIT_STATUSES` says."""
+    args = parser.parse_args(argv)
+    try:
+        return body(args)
+    except (errors.KdistError, *failures) as error:
+        handler = next((h for kind, h in EXIT_STATUSES if isinstance(error, kind)), _failed)
+        return handler(parser, error)
+
+
+def quiet_signals(message):
+    """Makes SIGINT/SIGTERM outside training exit 128 + signal with one line on stderr."""
+    def decorate(main_fn):
+        @functools.wraps(main_fn)
+        def wrapper(argv=None):
+            with interrupt.exit_on_signals(message):
+                return main_fn(argv)
+
+        return wrapper
+
+    return decorate
+
+
+def add_data_flags(parser, checkpoints=True):
+    if checkpoints:
+        add_config_flags(parser, ["checkpoint_dir"])
+    parser.add_argument("--data-dir", default=None,
+                        help="folder with the four Fashion-MNIST IDX .gz files (default: "
+                             "the Keras cache, then /usr/share/datasets/fashion-mnist, "
+                             "then download)")
+    parser.add_argument("--synthetic", nargs="?", const=FASHION_MNIST_TRAIN, type=positive(int),
+                        metavar="N",
+                        help="use N generated training examples of Fashion-MNIST's shapes "
+                             f"(default {FASHION_MNIST_TRAIN:,}) and N/6 test examples instead "
+                             "of the data set (smoke runs)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="show the framework's start-up logs (TensorFlow, JAX, torch)")
+
+
+def add_multiworker_flags(parser):
+    group = parser.add_argument_group(
+        "several workers", "Run this script once per worker, with the same --peers and each "
+        "its own --worker-index (scripts/launch.py does so on one machine). Without these "
+        "flags, TF_CONFIG (TensorFlow) or KERAS_DISTRIBUTION_JOB_ADDRESSES, "
+        "KERAS_DISTRIBUTION_NUM_PROCESSES and KERAS_DISTRIBUTION_PROCESS_ID (JAX), or torchrun's "
+        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torch) are read. "
+        "--replicas then counts this worker's devices (on torch a worker is one replica).")
+    group.add_argument("--peers", default=None, metavar="HOST:PORT[,HOST:PORT...]",
+                       help="every worker's address, in worker order; worker 0 is the chief "
+                            "(it alone writes checkpoints and metrics) and the coordinator "
+                            "of JAX and torch, which need only worker 0's address")
+    group.add_argument("--workers", type=positive(int), default=None,
+                       help="number of workers (default: the number of --peers)")
+    group.add_argument("--worker-index", type=int, default=None,
+                       help="this worker's place in --peers, from 0")
+    group.add_argument("--connect-timeout", type=positive(float), default=120.0,
+                       help="seconds to wait for every worker to join before exiting with "
+                            "an error (default: %(default)s)")
+
+
+def cluster_spec(args):
+    """This worker's ClusterSpec from the flags or the environment."""
+    return cluster.from_flags_and_env(args.workers, args.worker_index, args.peers,
+                                      args.connect_timeout, backend=startup.selected_backend())
+
+
+def connect(spec, replicas):
+    """Joins the other workers (bounded by --connect-timeout) before anything else runs."""
+    if spec.num_workers == 1:
+        return
+    from kdist import engines
+
+    with cluster.connect_deadline(spec):
+        engines.connect(spec, replicas)
+
+
+def load_data(args):
+    if getattr(args, "tfrecords", None):
+        from kdist.inputs import tfrecords
+
+        return tfrecords.fashion_mnist(args.tfrecords)
+    if args.synthetic:
+        try:
+            return kdist.synthetic_fashion_mnist(args.synthetic, seed=0)
+        except MemoryError as error:  # NumPy's names the size: "Unable to allocate 74.5 GiB ..."
+            raise errors.UsageError(f"--synthetic {args.synthetic:,}: more examples than this "
+                                    f"machine's memory holds ({error})") from None
+    return kdist.load_fashion_mnist(args.data_dir)
+
+
+def log(line):
+    print(line, flush=True)  # Line by line, also into pipes and `tee`.
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """Shows kdist's checkpoint warnings as one `warning: ...` line on stderr."""
+    from kdist.checkpoints import CheckpointWarning
+
+    if issubclass(category, CheckpointWarning):
+        print(f"warning: {message}", file=sys.stderr, flush=True)
+    else:
+        _DEFAULT_SHOWWARNING(message, category, filename, lineno, file, line)
+
+
+_DEFAULT_SHOWWARNING = warnings.showwarning
+
+
+def start(args, replicas=None):
+    """Sets devices, log levels and warning lines, then imports the frameworks (quietly)."""
+    warnings.showwarning = _show_warning
+    startup.prepare_environment(replicas, args.verbose)
+    startup.load_frameworks(quiet=not args.verbose)
+
+
+def check_paths(args):
+    """Checks the output files and the data folder before the frameworks load."""
+    checks.check_metrics_file(args.metrics_file)
+    if args.data_dir is not None and not args.synthetic:
+        from kdist.datasets import fashion_mnist
+
+        fashion_mnist.check_data_dir(args.data_dir)

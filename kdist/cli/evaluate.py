@@ -1,0 +1,35 @@
+"""`kdist-evaluate` (`scripts/evaluate.py`): the newest checkpoint, restored into a
+fresh model with no distribution, evaluated on the test data."""
+
+import argparse
+import os
+
+import kdist
+from kdist import errors
+from kdist.cli import common
+from kdist.cli.flags import add_config_flags
+
+
+@common.quiet_signals("stopped")
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="evaluate.py",
+        description="Restore the newest checkpoint of --checkpoint-dir into a fresh model "
+                    "with no distribution, on the backend chosen by KERAS_BACKEND, and "
+                    "print its test accuracy.")
+    common.add_data_flags(parser)
+    add_config_flags(parser, ["precision"])
+    return common.run(parser, argv, _evaluate)
+
+
+def _evaluate(args):
+    common.start(args)
+    path = kdist.latest_checkpoint(args.checkpoint_dir)
+    if path is None:
+        raise errors.CheckpointError(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
+                                     "train first or pass --checkpoint-dir")
+    result = kdist.evaluate_checkpoint(path, common.load_data(args), precision=args.precision)
+    from kdist.loop import reporting  # Loads Keras: only after common.start.
+
+    print(f"{path}: {reporting.format_results(result, 'test_')}")
+    return 0

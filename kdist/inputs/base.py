@@ -1,0 +1,199 @@
+"""The one interface every input has for the loop (a *source*), and the re-cutting
+and checking of any pipeline's batches into global batches.
+
+A source has, on every backend:
+
+- `train(global_batch, seed=, epoch=, start_step=, limit=, shard=)`: a
+  `Stream` of this worker's slices of the epoch's full global batches,
+  from global batch `start_step` on (a resume), at most up to `limit`;
+- `evaluate(global_batch, shard)`: a `Stream` of (batch, whole): this
+  worker's slices of the full global batches, then the examples after the
+  last one, whole, as one smaller batch (every worker the same);
+- `size()`, `steps_per_epoch(global_batch, limit)`, `eval_steps(global_batch)`:
+  counts, or None where only reading everything would tell;
+- `sample(rows)`: the first rows, which build the compiled loss and metrics.
+
+A pipeline's batches may hold any number of rows: they are re-cut here
+(`cut`) into global batches of batch_size_per_replica x replicas, checked
+batch by batch (`BatchCheck`).
+"""
+
+
+import numpy as np
+
+from kdist import tree
+from kdist.errors import DataError
+
+PARTS = ("x", "y", "sample weight")
+
+
+def eval_steps(num_examples, global_batch_size):
+    """The full global batches of `num_examples` (the rest is one smaller tail batch)."""
+    return num_examples // global_batch_size
+
+
+def steps_per_epoch(num_examples, global_batch_size, limit=None):
+    """Full global batches per epoch, capped by `limit` (like `fit`'s steps_per_epoch)."""
+    steps = num_examples // global_batch_size
+    return steps if limit is None else min(steps, limit)
+
+
+class SizedSource:
+    """A source that knows its number of examples (`size`): its steps follow."""
+
+    def steps_per_epoch(self, global_batch, limit=None):
+        return steps_per_epoch(self.size(), global_batch, limit)
+
+    def eval_steps(self, global_batch):
+        return eval_steps(self.size(), global_batch)
+
+
+class Stream:
+    """One pass over a source's batches, counting what it yields and whether it ran out.
+
+    The loop learns from it whether an epoch ended (`finished`) without
+    knowing the epoch's length beforehand.
+    """
+
+    def __init__(self, batches):
+        self._batches = batches
+        self.count = 0
+        self.ended = False
+
+    def __iter__(self):
+        for batch in self._batches:
+            self.count += 1
+            yield batch
+        self.ended = True
+
+    def finished(self, consumed):
+        """Whether the pass ran out and the consumer took all `consumed` of its batches."""
+        return self.ended and consumed == self.count
+
+
+class BatchCheck:
+    """Checks a source's batches, one by one, against its first.
+
+    A batch is a tuple (x, y) or (x, y, sample_weight), each an array or a
+    tuple, list or dict of arrays, every array with the same number of rows;
+    every batch holds examples of the first batch's structure, shapes and
+    dtypes (only the number of rows may change).
+    """
+
+    def __init__(self, what):
+        self.what = what
+        self.specs = None
+
+    def __call__(self, batch, index):
+        """(batch as (x, y, sample_weight) of NumPy arrays, its rows); DataError if bad."""
+        if isinstance(batch, list):
+            batch = tuple(batch)
+        if not isinstance(batch, tuple) or len(batch) not in (2, 3):
+            raise DataError(f"{self.what}: batch {index} is a {type(batch).__name__}; every "
+                            "batch must be a tuple (x, y) or (x, y, sample_weight), as for fit")
+        batch = tuple(tree.map_arrays(np.asarray, part) for part in batch)
+        batch += (None,) * (3 - len(batch))
+        lengths = [(name, a.shape[0] if a.ndim else None)
+                   for name, part in zip(PARTS, batch) for a in tree.leaves(part)]
+        if any(n is None for _, n in lengths):
+            name = next(name for name, n in lengths if n is None)
+            raise DataError(f"{self.what}: batch {index} has a scalar {name}, a single "
+                            "example; give batches (a first axis of examples), as for fit")
+        if len({n for _, n in lengths}) > 1:
+            raise DataError(f"{self.what}: batch {index} holds arrays of different lengths (" +
+                            ", ".join(f"{name} {n}" for name, n in lengths) + "); x, y and "
+                            "the sample weights need one row per example")
+        specs = tuple(tree.map_arrays(_spec, part) for part in batch)
+        if self.specs is None:
+            self.specs = specs
+        elif specs != self.specs:
+            name, now, first = next(p for p in zip(PARTS, specs, self.specs) if p[1] != p[2])
+            raise DataError(f"{self.what}: batch {index} changes shape: its {name} holds "
+                            f"{_show(now)} where the first batch's held {_show(first)}; every "
+                            "batch needs the same example shapes and dtypes (only the number "
+                            "of rows may vary)")
+        return batch, lengths[0][1]
+
+
+def _spec(array):
+    return f"{array.dtype} {tuple(array.shape[1:])}"
+
+
+def _show(spec):
+    found = tree.leaves(spec) if spec is not None else []
+    return ", ".join(found) if found else "nothing"
+
+
+def concat(batches):
+    """Batches of one structure joined along their rows."""
+    if len(batches) == 1:
+        return batches[0]
+    return tuple(tree.map_arrays(lambda *arrays: np.concatenate(arrays), *parts)
+                 for parts in zip(*batches))
+
+
+def drop_rows(checked, count):
+    """(batch, rows) pairs after the first `count` rows of the stream."""
+    for batch, rows in checked:
+        if count >= rows:
+            count -= rows
+            continue
+        if count:
+            batch, rows, count = tree.take_rows(batch, slice(count, None)), rows - count, 0
+        yield batch, rows
+
+
+def cut(checked, size):
+    """Re-cuts (batch, rows) pairs into batches of exactly `size` rows, then the rest."""
+    parts, rows = [], 0
+    for batch, count in checked:
+        if not count:
+            continue
+        parts.append(batch)
+        rows += count
+        while rows >= size:
+            whole = concat(parts)
+            yield tree.take_rows(whole, slice(0, size)), size
+            rows -= size
+            parts = [tree.take_rows(whole, slice(size, None))] if rows else []
+    if rows:
+        yield concat(parts), rows
+
+
+def worker_rows(global_batch, shard):
+    """The rows of a global batch that worker `shard[0]` of `shard[1]` feeds."""
+    index, count = shard
+    local = global_batch // count
+    return slice(index * local, (index + 1) * local)
+
+
+def train_slices(global_batches, global_batch, start_step, limit, shard, what):
+    """This worker's slices of full global batches numbered from `start_step`, up to
+    `limit` (nothing read beyond it); DataError if a pass from the start has not
+    one full global batch."""
+    step, short, pairs = start_step, 0, iter(global_batches)
+    while limit is None or step < limit:
+        batch, rows = next(pairs, (None, 0))
+        if rows < global_batch:
+            short = rows
+            break
+        yield tree.take_rows(batch, worker_rows(global_batch, shard))
+        step += 1
+    if step == 0:
+        raise DataError(f"{what} is empty" if not short else
+                        f"{what} holds {short} examples, fewer than one global batch of "
+                        f"{global_batch}; lower batch_size_per_replica")
+
+
+def eval_slices(global_batches, global_batch, shard, what):
+    """(this worker's slice, False) of every full global batch, then (the rest
+    whole, True); DataError if there is nothing to evaluate."""
+    seen = False
+    for batch, rows in global_batches:
+        seen = True
+        if rows < global_batch:
+            yield batch, True
+        else:
+            yield tree.take_rows(batch, worker_rows(global_batch, shard)), False
+    if not seen:
+        raise DataError(f"{what} is empty")

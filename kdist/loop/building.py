@@ -1,0 +1,105 @@
+"""The compiled model and its `Step`, built in an engine's scope.
+
+The loop (`kdist.loop.training`), the benchmarks and the tests build models
+here: `build` compiles what `model_fn` returns (or keeps its compile, as
+`fit` would), `prepare_model` adds the `kdist.step.compiled.Step` that the engines
+compile, and `sample_rows` gives the few rows that build the compiled loss
+and metrics.
+"""
+
+import numpy as np
+
+from kdist import tree
+from kdist.config import adam
+from kdist.errors import UsageError
+from kdist.inputs import arrays
+from kdist.models import losses
+from kdist.models.cnn import create_model
+from kdist.precision import policy
+from kdist.step.compiled import Step, build_metrics
+
+DEFAULT_LEARNING_RATE = 1e-3  # Of the optimizers kdist builds (--optimizer).
+
+
+def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
+          compute_loss=None, sample=None, train=True, precision=None):
+    """Creates the compiled model in the engine's scope; returns (model, optimizer).
+
+    `precision` (`kdist.precision.PRECISIONS`; None: Keras' global policy as
+    it is) is the Keras dtype policy set while `model_fn` builds the model
+    and it is compiled, then the caller's policy is back. Under
+    mixed_float16, Keras' `compile` wraps the optimizer in a
+    `LossScaleOptimizer` (dynamic loss scaling), for a model kdist compiles
+    and for one `model_fn` compiles alike.
+
+    A model that `model_fn` returns compiled (optimizer, loss, metrics, as
+    for `fit`) is used as it is. An uncompiled one is compiled here with
+    `optimizer_fn(learning_rate)` (default Adam; none when `train` is
+    false), `loss_fn` (default sparse cross-entropy from logits) and the
+    accuracy metric. The optimizer is built eagerly in scope (on TF,
+    building it later inside a replica function fails with 2+ replicas,
+    keras#23085), so `save_weights` writes and `load_weights` restores its
+    state with the weights. `sample`, a few (x, y) rows, builds the
+    compiled loss and metrics (`kdist.step.build`).
+    """
+    with engine.scope(), policy(precision):
+        model = model_fn()
+        if model.compiled:
+            if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:
+                raise UsageError(
+                    "model_fn returned a compiled model: its optimizer, learning rate and "
+                    "loss are used, so optimizer_fn, loss_fn and learning_rate must be None")
+        else:
+            optimizer = (optimizer_fn or adam)(learning_rate or DEFAULT_LEARNING_RATE) \
+                if train else None
+            if loss_fn is None and compute_loss is None:
+                loss_fn = losses.sparse_categorical_crossentropy
+            model.compile(optimizer=optimizer, loss=loss_fn, metrics=["accuracy"])
+        if train and model.optimizer is None:
+            raise UsageError("the compiled model has no optimizer; compile it with one")
+        optimizer = model.optimizer
+        if optimizer is not None:
+            optimizer.build(model.trainable_variables)
+        if sample is not None:
+            build_metrics(model, *sample)
+    return model, optimizer
+
+
+def prepare_model(engine, global_batch_size, sample, model_fn=create_model, optimizer_fn=None,
+                  learning_rate=None, loss_fn=None, compute_loss=None, train=True,
+                  precision=None):
+    """`build`, then the model's `Step`: returns (model, step).
+
+    `sample` is a few (x, y, sample_weight) rows (`sample_rows`). Restore a
+    checkpoint, if any, before `engine.compile_steps(step, model.optimizer)`:
+    an engine may take the variables' values when it compiles.
+    """
+    model, _ = build(engine, model_fn, optimizer_fn, learning_rate, loss_fn,
+                     compute_loss, sample=sample, train=train, precision=precision)
+    return model, Step(model, global_batch_size, compute_loss)
+
+
+def sample_rows(dataset, rows=2):
+    """The first `rows` training examples of a `kdist.Dataset` or prepared inputs
+    (`kdist.inputs.sources.Prepared`: the test data's if it has no training data), as
+    (x, zero targets, sample_weight): what builds the compiled loss and
+    metrics, which need only shapes and dtypes (zero targets fit every loss,
+    so bad labels are reported by the checks). Few rows: the eager call that
+    builds them runs on every device."""
+    if isinstance(dataset, arrays.Dataset):
+        x, y, sample_weight = tree.take_rows(dataset.split("train"), slice(0, rows))
+    else:
+        x, y, sample_weight = dataset.sample(rows)
+    return x, tree.map_arrays(np.zeros_like, y), sample_weight
+
+
+def check_labels(prepared, model, splits=("train", "test")):
+    """Checks class-index targets against a one-output classifier's class count
+    (arrays of a `kdist.Dataset` only: a pipeline's labels are not read ahead)."""
+    dataset = prepared.arrays
+    if dataset is None:
+        return
+    labels, shape = dataset.train_y, model.output_shape
+    if (isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer)
+            and isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1):
+        arrays.check_labels(dataset, shape[-1], splits)

@@ -1,0 +1,169 @@
+"""What a run tells its user: the start-up banner, epoch lines, metrics files."""
+
+import csv
+import io
+import json
+import os
+
+import keras
+
+import kdist
+from kdist import checks
+from kdist.errors import MetricsError
+from kdist.workers.processes import REPLICA_PROCESSES_VARIABLE
+
+
+def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=None):
+    """The lines printed before training: versions, devices, batch, data, checkpoints.
+
+    `chunk` is the number of train steps per compiled call; when it is below
+    `config.steps_per_execution` the Batch line says so.
+    """
+    devices = ", ".join(str(d).split("device:")[-1] for d in engine.devices)
+    workers, local = engine.shard[1], global_batch // engine.shard[1]
+    # The processes `kdist.workers.replicas` starts are one machine's replicas, not workers.
+    replica_processes = os.environ.get(REPLICA_PROCESSES_VARIABLE) == "1"
+    cluster = ([f"Workers: {workers}; this chief and each worker feed {local} examples of "
+                "every global batch; checkpoints and metrics are written here"]
+               if workers > 1 and not replica_processes else [])
+    return "\n".join(cluster + [
+        f"kdist {kdist.__version__}: Keras {keras.__version__} on {engine.backend} "
+        f"{engine.version}",
+        f"Replicas: {engine.num_replicas} ({devices})",
+        f"Batch: {config.batch_size_per_replica} per replica, {global_batch} global; "
+        f"{'as many' if steps is None else steps} steps per epoch"
+        f"{' as the data holds' if steps is None else ''}, {config.epochs} epochs" + (
+            f"; --steps-per-execution {config.steps_per_execution} capped at {chunk}, the "
+            "steps of an epoch" if chunk is not None and chunk < config.steps_per_execution
+            else ""),
+        f"Data: {dataset.source} ({_examples(dataset, 'train')} train, "
+        f"{_examples(dataset, 'test')} test examples)",
+        f"Checkpoints: {os.path.abspath(config.checkpoint_dir)}, {checkpoint_note}",
+    ] + ([f"Precision: {config.precision}" + (
+        " (dynamic loss scaling)"
+        if config.precision == "mixed_float16" else "")]
+         if config.precision != "float32" else []))
+
+
+def _examples(dataset, split):
+    """The examples of a split, "?" while a pipeline has not been read to its end."""
+    size = dataset.size(split)
+    return "?" if size is None else f"{size:,}"
+
+
+def format_results(results, prefix=""):
+    """"Loss: 0.3012, Accuracy: 89.10%, auc: 0.9712" for {"loss": ..., ...}.
+
+    Accuracy-type metrics (their name ends in "accuracy") read as percent, as
+    in the tutorial; the others keep their Keras name and value. `prefix`
+    ("test_") selects and strips the keys of one split; its name leads
+    each label.
+    """
+    lead = prefix.rstrip("_").capitalize() + " " if prefix else ""
+    parts = []
+    for key, value in results.items():
+        if not key.startswith(prefix) or not isinstance(value, float):
+            continue
+        name = key[len(prefix):]
+        if name == "loss":
+            parts.append(f"{lead}Loss: {value:.4f}")
+        elif name.endswith("accuracy"):
+            label = name.replace("_", " ").capitalize()
+            parts.append(f"{lead}{label}: {100 * value:.2f}%")
+        else:
+            parts.append(f"{lead}{name}: {value:.4f}")
+    return ", ".join(parts)
+
+
+def format_epoch(record, epochs, show_skipped=False):
+    """The tutorial's epoch line for an `EpochRecord`, with its speed.
+
+    An epoch with no steps left to train when it resumed has no speed (its
+    `seconds` is None). With `show_skipped` (a run with dynamic loss
+    scaling), or when a step was skipped, the line ends with the skipped
+    steps: "(2.0 s, 512 samples/s; 1 step skipped)".
+    """
+    speed = ("trained before the resume" if record.seconds is None else
+             f"{record.seconds:.1f} s, {record.samples_per_sec:,.0f} samples/s")
+    if show_skipped or record.skipped_steps:
+        count = record.skipped_steps
+        speed += f"; {count} step{'' if count == 1 else 's'} skipped"
+    return (f"Epoch {record.epoch}/{epochs}, {format_results(record.train)}, "
+            f"{format_results({f'test_{k}': v for k, v in record.test.items()}, 'test_')} "
+            f"({speed})")
+
+
+class MetricsWriter:
+    """Writes a run's records to PATH (JSON lines) and its epochs to PATH's .csv sibling.
+
+    `start(history)` rewrites both files from the epochs done so far (none on
+    a fresh run; a resumed checkpoint's history otherwise), each atomically
+    (a temporary file, then `os.replace`), so every epoch appears once even
+    after a crash; `epoch` and `restored` then append. The CSV has the layout
+    of `keras.callbacks.CSVLogger`: `epoch` counted from 0, then the metrics
+    sorted by name. With no PATH (or on a worker other than the chief) it
+    writes nothing. A failed write raises `MetricsError`.
+    """
+
+    def __init__(self, path, metric_names=("loss", "accuracy")):
+        self.path = path
+        self.csv_path = checks.metrics_csv_path(path) if path else None
+        keys = [f"{split}_{name}" for split in ("train", "test") for name in metric_names]
+        self.csv_columns = ("epoch",) + tuple(sorted(keys + ["seconds", "samples_per_sec",
+                                                             "skipped_steps"]))
+
+    def start(self, history):
+        """Replaces both files with `history`, the `EpochRecord`s of the epochs done so far."""
+        if self.path:
+            self._replace(self.path, "".join(_json_line(r.as_dict()) for r in history))
+            self._replace(self.csv_path, "".join(self._csv_line(r) for r in
+                                                 [None] + list(history)))
+
+    def epoch(self, record):
+        """Appends an `EpochRecord` to both files."""
+        if self.path:
+            self._append(self.path, _json_line(record.as_dict()))
+            self._append(self.csv_path, self._csv_line(record))
+
+    def restored(self, record):
+        """Appends `record`, the restored model's dict, to the JSON lines file only."""
+        if self.path:
+            self._append(self.path, _json_line(record))
+
+    def _csv_line(self, record):
+        """The CSV row of `record`; the header row for None."""
+        buffer = io.StringIO()
+        values = None if record is None else record.as_dict()
+        csv.writer(buffer).writerow(self.csv_columns if record is None else
+                                    [record.epoch - 1] +
+                                    [values.get(k) for k in self.csv_columns[1:]])
+        return buffer.getvalue()
+
+    def _append(self, path, text):
+        try:
+            with open(path, "a", newline="") as f:
+                f.write(text)
+        except OSError as e:
+            raise _error(path, e) from e
+
+    def _replace(self, path, text):
+        tmp = os.path.join(os.path.dirname(os.path.abspath(path)),
+                           f".tmp-{os.getpid()}-{os.path.basename(path)}")
+        try:
+            with open(tmp, "w", newline="") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except OSError as e:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise _error(path, e) from e
+
+
+def _json_line(record):
+    return json.dumps(record) + "\n"
+
+
+def _error(path, e):
+    return MetricsError(f"cannot write the metrics file {path} ({e.strerror or e}); "
+                        "free space or pass another --metrics-file, then run the same "
+                        "command to resume from the last checkpoint")

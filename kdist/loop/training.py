@@ -1,0 +1,288 @@
+"""The training loop, written once for every backend.
+
+`train_and_evaluate` runs the tutorial's job: epochs of distributed train
+steps, a full test-set evaluation after each, checkpoints, then the latest
+checkpoint restored into a fresh model with no distribution and evaluated.
+The engine (`kdist.engines`) is the only backend-specific piece; the model
+and its step are built by `kdist.loop.building`.
+"""
+
+import dataclasses
+import math
+import os
+import time
+
+import keras
+
+from kdist import checkpoints, checks, engines, records
+from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
+from kdist.errors import Interrupted, TrainingError, UsageError
+from kdist.inputs import pipelines, sources
+from kdist.loop import building, reporting
+from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
+from kdist.models.cnn import create_model
+from kdist.workers import interrupt, replicas
+
+
+def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=None,
+                       loss_fn=None, compute_loss=None, log=print, stop=None):
+    """Trains data-parallel, checkpoints, restores without distribution, evaluates.
+
+    Args:
+        config: a `TrainConfig`.
+        dataset: a `kdist.Dataset` (NumPy arrays, or tuples/dicts of them),
+            or a `kdist.Inputs` (tf.data, PyDataset, a function yielding
+            batches, or arrays, for train and test; `kdist.inputs`).
+        model_fn: builds the Keras model (called in the engine's scope),
+            compiled as for `fit` or not (see `build`). The compiled
+            optimizer's schedule, clipping and gradient accumulation act
+            on the global gradient, as in `fit` on one device; with
+            `use_ema=True` every evaluation (each epoch's, the restored
+            checkpoint's) uses its moving averages of the weights
+            (`kdist.step.optimizer.ema_variables`).
+        optimizer_fn: for an uncompiled model: learning rate -> Keras
+            optimizer (default Adam).
+        loss_fn: for an uncompiled model: (y_true, y_pred) -> per-example
+            losses (default sparse cross-entropy from logits).
+        compute_loss: your own loss, `fn(model, x, y, training) ->
+            (per-example losses, y_pred)` (see `kdist.step`); the compiled
+            loss is then not used, the compiled metrics still are.
+        log: called with each line to print.
+        stop: if it becomes true (e.g. a `kdist.workers.interrupt.StopRequest`),
+            training ends after the current chunk of steps with a checkpoint
+            and `Interrupted`. With several workers, every worker stops
+            after the same step when any one's `stop` is true.
+
+    Returns a dict with `history` (one record per epoch: `train_loss`,
+    `test_loss`, and train_/test_ each metric) and `restored` (the
+    evaluation of the latest checkpoint in a fresh, undistributed model).
+    """
+    checks.check_config(config)
+    processes = engines.replica_processes(config.replicas)
+    if processes:  # torch: this process starts one per replica and waits for them.
+        return replicas.run(processes, train_and_evaluate, dict(
+            config=config, dataset=dataset, model_fn=model_fn, optimizer_fn=optimizer_fn,
+            loss_fn=loss_fn, compute_loss=compute_loss), log=log, stop=stop)
+    run = _Run(config, sources.prepare(dataset), model_fn, optimizer_fn, loss_fn, compute_loss)
+    try:
+        return _train(run, log, interrupt.AgreedStop(stop, run.engine))
+    finally:
+        run.manager.release()
+
+
+def _train(run, log, stop):
+    """The epochs, checkpoints and final evaluation of `train_and_evaluate`;
+    `stop` is an `AgreedStop`."""
+    config, dataset = run.config, run.dataset
+    chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
+    if chief:
+        checks.check_metrics_file(config.metrics_file, "metrics_file")
+    else:
+        log = _quiet
+    log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
+                         run.train_chunk))
+    metrics = reporting.MetricsWriter(config.metrics_file if chief else None,
+                                      run.step.metric_names())
+    position = run.position
+    metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
+    while position.epoch < config.epochs:
+        position, record = run.train_epoch(position, stop)
+        if record is not None:  # The epoch's steps are done and it is evaluated.
+            log(reporting.format_epoch(record, config.epochs, run.dynamic_loss_scale))
+            stop.poll()  # A signal may have come during the evaluation.
+        if stop or _checkpoint_due(config, position):
+            path = run.save(position)
+            log(f"Saved checkpoint {path}")
+        if record is not None:
+            metrics.epoch(record)  # After its checkpoint: a failed write loses none.
+        if stop:
+            raise _interrupted(stop, position, path)
+
+    history = [record.as_dict() for record in position.history]
+    if not chief:  # The chief's checkpoint may not be visible here yet.
+        return {"history": history, "restored": None}
+    latest = run.manager.latest()
+    restored = evaluate_checkpoint(latest[0], run.dataset, run.model_fn, run.loss_fn,
+                                   run.compute_loss, run.global_batch,
+                                   config.steps_per_execution, precision=config.precision)
+    log(f"Restored {latest[0]} without distribution: "
+        f"{reporting.format_results(restored, 'test_')}")
+    metrics.restored(restored)
+    return {"history": history, "restored": restored}
+
+
+def _checkpoint_due(config, position):
+    """After every `checkpoint_every`-th epoch and after the last (a stop always saves)."""
+    return position.step_in_epoch == 0 and (position.epoch % config.checkpoint_every == 0
+                                            or position.epoch == config.epochs)
+
+
+def _interrupted(stop, position, path):
+    where = (f"stopped at epoch {position.epoch + 1}, step {position.step_in_epoch}; "
+             f"saved {path}" if position.step_in_epoch else
+             f"stopped after epoch {position.epoch}")
+    return Interrupted(f"{stop.reason()}: {where}; run the same command to resume",
+                       stop.signal_name)
+
+
+class _Run:
+    """One training run's engine, model, step, checkpoints and starting position."""
+
+    def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss):
+        self.config, self.dataset = config, dataset
+        self.model_fn, self.loss_fn, self.compute_loss = model_fn, loss_fn, compute_loss
+        self.engine = engines.create_engine(config.replicas)
+        self.global_batch = config.batch_size_per_replica * self.engine.num_replicas
+        # Steps per epoch: None while unknown (a pipeline of unknown length), then
+        # learned from the first epoch or the checkpoint. `limit` caps a pass.
+        self.steps = dataset.train.steps_per_epoch(self.global_batch, config.steps_per_epoch)
+        if self.steps == 0:
+            raise UsageError(f"{dataset.size('train')} training examples make no full "
+                             f"global batch of {self.global_batch}; lower "
+                             "--batch-size-per-replica")
+        self.limit = self.steps if self.steps is not None else config.steps_per_epoch
+        self.train_chunk = min(config.steps_per_execution,  # Compiled steps.
+                               self.limit or config.steps_per_execution)
+        self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
+        if self.engine.is_chief:  # Only the chief writes there, so only it locks.
+            self.manager.prepare(lock=True, break_lock=config.break_lock)
+        try:
+            keras.utils.set_random_seed(config.seed)
+            self.model, self.step = building.prepare_model(
+                self.engine, self.global_batch, building.sample_rows(dataset), model_fn,
+                optimizer_fn, config.learning_rate, loss_fn, compute_loss,
+                precision=config.precision)
+            # Whether the optimizer may skip steps: the epoch lines then count them.
+            self.dynamic_loss_scale = isinstance(self.model.optimizer,
+                                                 keras.optimizers.LossScaleOptimizer)
+            building.check_labels(dataset, self.model)
+            self.position, self.note, steps = _resume_position(config, self.manager,
+                                                               self.model, self.step)
+            self.steps = self.steps if self.steps is not None else steps
+            self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
+                                               self.global_batch)
+            self.engine.compile_steps(self.step, self.model.optimizer)
+        except BaseException:
+            self.manager.release()
+            raise
+
+    def train_epoch(self, position, stop):
+        """Trains from `position` to the end of its epoch, then evaluates.
+
+        Stops early after the step at which every worker agrees to stop.
+        Returns (the position reached, the epoch's `EpochRecord`, or None if
+        it stopped before the epoch's end).
+        """
+        epoch, first_step = position.epoch, position.step_in_epoch
+        start = time.perf_counter()
+        batches = self.dataset.train.train(
+            self.global_batch, seed=self.config.seed, epoch=epoch, start_step=first_step,
+            limit=self.limit, shard=self.engine.shard)
+        on_step = _step_callback(self.config, self.step, epoch, first_step, self.steps,
+                                 self.global_batch)
+        totals = position.totals if position.totals is not None else zero_totals(self.step)
+        totals, done = run_steps(self.engine, self.engine.train_chunk, batches, totals,
+                                 on_step, stop.poll, self.train_chunk)
+        if not batches.finished(done):  # Stopped with steps left in the epoch.
+            return dataclasses.replace(position, step_in_epoch=first_step + done,
+                                       totals=totals), None
+        if self.steps is None:  # Its length is known now.
+            self.steps = first_step + done
+        seconds = time.perf_counter() - start if done else None  # None: all trained before.
+        test = evaluate_source(self.engine, self.step, self.dataset.test, self.global_batch,
+                               self.config.steps_per_execution)
+        record = records.EpochRecord(
+            epoch + 1, self.step.results(totals), test, seconds,
+            done * self.global_batch / seconds if done else None,
+            skipped_steps=round(float(totals["skipped"])))
+        return records.Position(epoch + 1, 0, None, position.history + (record,)), record
+
+    def save(self, position):
+        """Checkpoints `position`; only the chief's copy is kept."""
+        self.engine.sync_to_model()
+        manager = self.manager if self.engine.is_chief else checkpoints.DiscardingManager()
+        return manager.save(
+            self.model, step=position.global_step(self.steps or 0), metadata=dict(
+                position.as_metadata(), seed=self.config.seed, backend=self.engine.backend,
+                replicas=self.engine.num_replicas, global_batch_size=self.global_batch,
+                steps_per_epoch=self.steps))
+
+
+def _quiet(line):
+    """The log of a worker other than the chief."""
+
+
+def _resume_position(config, manager, model, step):
+    """Restores the newest checkpoint unless told not to.
+
+    Returns (the `Position` to start from, a note for the banner, the steps
+    per epoch the checkpoint records, if any).
+    """
+    if not config.resume and manager.paths():
+        return records.Position(), ("starting over (--no-resume): this run's first "
+                                    "checkpoint replaces the ones there"), None
+    latest = manager.latest() if config.resume else None
+    if latest is None:
+        return records.Position(), "starting fresh", None
+    path, meta = latest
+    checkpoints.restore(model, path, meta)
+    if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
+        model.optimizer.learning_rate.assign(config.learning_rate)
+    position = records.Position.from_metadata(meta)
+    if position.step_in_epoch:
+        totals = totals_from_json(position.totals, step)
+        if totals is None:
+            raise UsageError(f"{path} stops in the middle of epoch {position.epoch + 1} and "
+                             "its statistics do not fit this model's metrics; resume with "
+                             "the metrics it was written with, or --no-resume")
+        position = dataclasses.replace(position, totals=totals)
+    where = (f"epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}"
+             if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
+    return position, (
+        f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
+        f"with {meta['replicas']} replica(s))"), meta.get("steps_per_epoch")
+
+
+def _step_callback(config, step, epoch, first_step, steps_per_epoch, global_batch):
+    """Checks every step's loss and drives the progress bar (updated once per chunk)."""
+    progbar = keras.utils.Progbar(
+        steps_per_epoch, stateful_metrics=list(step.metric_names()) + ["samples/s"]) \
+        if config.progress else None
+    start = time.perf_counter()
+
+    def on_step(done, stats, totals, chunk_end):
+        step_in_epoch = first_step + done
+        if not math.isfinite(float(stats["loss_sum"])):
+            raise TrainingError(
+                f"non-finite loss at epoch {epoch + 1}, step {step_in_epoch}; stopping. "
+                "Checkpoints written before stay valid; try a lower --learning-rate")
+        if progbar is not None and chunk_end:
+            rate = round(done * global_batch / (time.perf_counter() - start))
+            progbar.update(step_in_epoch, list(step.results(totals).items())
+                           + [("samples/s", rate)])
+
+    return on_step
+
+
+def evaluate_checkpoint(path, dataset, model_fn=create_model, loss_fn=None, compute_loss=None,
+                        batch_size=TrainConfig.batch_size_per_replica,
+                        steps_per_execution=TrainConfig.steps_per_execution, *,
+                        precision=TrainConfig.precision):
+    """Restores `path` into a fresh model with no distribution and evaluates it.
+
+    The model is built under dtype policy `precision` (`kdist.precision`):
+    a checkpoint of any precision restores into any (its variables are
+    float32). `dataset` is a `kdist.Dataset` or a `kdist.Inputs` (only its
+    test data is read). Returns {"restored": True, "checkpoint": path, "test_loss":
+    ..., and test_ each metric}.
+    """
+    dataset = sources.prepare(dataset, splits=("test",))
+    engine = engines.create_engine(distributed=False)
+    model, step = building.prepare_model(engine, batch_size, building.sample_rows(dataset),
+                                         model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
+                                         train=False, precision=precision)
+    checkpoints.restore(model, path)
+    building.check_labels(dataset, model, splits=("test",))
+    engine.compile_steps(step, model.optimizer)
+    results = evaluate_source(engine, step, dataset.test, batch_size, steps_per_execution)
+    return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})

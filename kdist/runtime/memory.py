@@ -1,0 +1,95 @@
+"""glibc heap settings that keep XLA's per-call memory in the process, and hand
+the compiler's back.
+
+Nothing here runs on import: `kdist.runtime.startup.prepare_environment` calls
+`keep_freed_memory` and, on JAX, `release_after_long_compiles`.
+"""
+
+import ctypes
+import os
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt, <malloc.h>.
+KEPT_BLOCK_BYTES = 64 << 20
+
+
+def keep_freed_memory():
+    """Makes glibc's malloc keep freed blocks of up to 64 MiB for reuse.
+
+    Every compiled call of XLA (JAX) allocates its scratch memory anew (tens
+    of MiB per device for the tutorial CNN). glibc serves blocks over its mmap
+    threshold (32 MiB at most, by default) with fresh mappings and returns a
+    freed heap top over its trim threshold, so each call would fault its
+    scratch in again, costing more than the step itself. With both
+    thresholds at 64 MiB such blocks stay in the heap; bigger ones (a data
+    set) still get their own mapping and go back to the kernel when freed.
+
+    With several devices each runs on its own thread, whose per-thread arena
+    grows in heaps of at most 64 MiB: a scratch block that does not fit the
+    current heap gets a new one, which glibc unmaps as soon as it is empty,
+    whatever the trim threshold. A 64 MiB top pad keeps such a heap.
+    (docs/performance.md has the measurements.)
+
+    Returns whether it took effect: on a C library without `mallopt` (macOS,
+    musl) nothing changes. `KDIST_KEEP_FREED_MEMORY=0` keeps the C library's
+    defaults.
+    """
+    mallopt = libc_function("mallopt")
+    if os.environ.get("KDIST_KEEP_FREED_MEMORY") == "0" or mallopt is None:
+        return False
+    return all([mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
+                mallopt(_M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
+                mallopt(_M_TOP_PAD, KEPT_BLOCK_BYTES) == 1])
+
+
+def release_freed_memory():
+    """Hands the free pages of glibc's heaps back to the kernel (`malloc_trim`).
+
+    Compiling a JAX train chunk leaves a few hundred MB freed but resident in
+    the compiler thread's heap, where the devices' threads never reuse it
+    (docs/performance.md has the figures). Returns whether it ran (glibc only).
+    """
+    malloc_trim = libc_function("malloc_trim")
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)
+    return True
+
+
+def libc_function(name):
+    """The C library's function `name`, or None where it has none (`mallopt` on
+    macOS or musl)."""
+    try:
+        return getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # XLA compiled a program.
+LONG_COMPILE_SECONDS = 0.25
+_listening = False
+
+
+def release_after_long_compiles():
+    """Hands the compiler's freed memory back after each compile of 0.25 s or more.
+
+    A JAX train or eval chunk is such a compile; the release runs before the
+    program first runs, so it lowers the peak RSS. Short compiles (eager ops)
+    skip it, as a release costs tens of milliseconds. Registers a
+    `jax.monitoring` listener once per process (importing JAX, which must
+    not have started its backend yet only if device counts still change:
+    importing does not start it). Returns whether it is registered;
+    `KDIST_RELEASE_COMPILER_MEMORY=0` turns it off.
+    """
+    global _listening
+    if os.environ.get("KDIST_RELEASE_COMPILER_MEMORY") == "0":
+        return False
+    if not _listening:
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(_after_compile)
+        _listening = True
+    return True
+
+
+def _after_compile(event, duration_secs, **kwargs):
+    if event == COMPILE_EVENT and duration_secs >= LONG_COMPILE_SECONDS:
+        release_freed_memory()

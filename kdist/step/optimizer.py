@@ -1,0 +1,74 @@
+"""What the engines ask of a Keras optimizer: the one inside a loss-scaling wrapper,
+the loss scale, whether a step is skipped, and the variables of its EMA."""
+
+import keras
+from keras import ops
+
+
+def inner_optimizer(optimizer):
+    """The optimizer that updates the weights: the one a `LossScaleOptimizer`
+    wraps, else `optimizer` itself (clipping, accumulation, EMA live there)."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return optimizer.inner_optimizer
+    return optimizer
+
+
+def scales_loss(optimizer):
+    """Whether `optimizer.scale_loss` changes the loss: a `LossScaleOptimizer`
+    (dynamic scale), or an optimizer with a fixed `loss_scale_factor`."""
+    return optimizer is not None and (
+        isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        or getattr(optimizer, "loss_scale_factor", None) is not None)
+
+
+def loss_scale(optimizer, values=None):
+    """The factor a step multiplies its loss by before differentiating, or None.
+
+    It is Keras' `optimizer.scale_loss`, as `fit` applies it: the current
+    dynamic scale of a `LossScaleOptimizer` (a float32 scalar), a fixed
+    `loss_scale_factor`, or None for an optimizer that does not scale (or
+    no optimizer). `values`, the values of `optimizer.variables`, are read
+    in place of the variables (JAX keeps the state as arrays); without
+    them the variables are read (TensorFlow, inside the traced step).
+    """
+    if not scales_loss(optimizer):
+        return None
+    one = ops.ones((), "float32")
+    if values is None:
+        return ops.cast(optimizer.scale_loss(one), "float32")
+    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
+        return ops.cast(optimizer.scale_loss(one), "float32")
+
+
+def skipped(optimizer, grads):
+    """1.0 (float32) if `optimizer` skips a step with these gradients, else 0.0.
+
+    A `LossScaleOptimizer` skips a step (updates no weight, halves its
+    scale) when a gradient is not finite (`check_finite`). `grads` must be
+    the gradients summed over every replica, which are the same on each, so
+    every replica decides alike. Other optimizers never skip.
+    """
+    if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return ops.zeros((), "float32")
+    return 1.0 - ops.cast(optimizer.check_finite(grads), "float32")
+
+
+def ema_variables(optimizer, variables):
+    """The optimizer's moving averages of `variables`, or None without `use_ema`.
+
+    An optimizer compiled with `use_ema=True` keeps an exponential moving
+    average of every weight as an optimizer variable; Keras' `fit` ends by
+    copying them into the model (`optimizer.finalize_variable_values`).
+    kdist's engines evaluate with them in place of the trainable weights
+    (`kdist.engines.contract.Engine.eval_chunk`), so every evaluation, per
+    epoch and of a restored checkpoint, scores the averaged model, while
+    training continues from the weights themselves. A checkpoint holds both:
+    the weights as the model's, the averages with the optimizer's variables.
+    The averages hold zeros until the first train step (Keras' initial
+    value), so a model that never trained evaluates with zero trainable weights.
+    """
+    optimizer = inner_optimizer(optimizer)  # A LossScaleOptimizer's inner one keeps them.
+    if optimizer is None or not getattr(optimizer, "use_ema", False):
+        return None
+    averages = optimizer._model_variables_moving_average
+    return [averages[optimizer._get_variable_index(v)] for v in variables]

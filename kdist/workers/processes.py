@@ -1,0 +1,203 @@
+"""Training processes on one machine: starting them with their output prefixed,
+supervising them with bounded waits, stopping them all, and a worker following
+its launcher (`follow_launcher`). `kdist-launch` (`kdist.cli.launch`) and the
+torch replica processes (`kdist.workers.replicas`) use them. Imports no framework.
+"""
+
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+# The training command, kdist-train's `kdist.cli.train.main`, run by kdist/__main__.py.
+TRAIN = [sys.executable, "-m", "kdist"]
+
+# Set by the launcher; inherited values would describe another cluster.
+CLUSTER_VARIABLES = ("TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
+                     "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID")
+
+LAST_LINES = 20
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+# What train.py returns after it checkpointed and stopped on SIGINT, SIGTERM or SIGHUP.
+STOPPED_STATUSES = tuple(128 + s for s in STOP_SIGNALS)
+
+LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to follow.
+
+# Tells a worker how many training processes share this machine (the torch engine
+# splits the cores between them).
+LOCAL_PROCESSES_VARIABLE = "KDIST_LOCAL_PROCESSES"
+
+# Set in the processes `kdist.workers.replicas` starts: they are one machine's replicas, not
+# workers (the banner then has no "Workers:" line, as on the other backends).
+REPLICA_PROCESSES_VARIABLE = "KDIST_REPLICA_PROCESSES"
+
+
+def free_ports(count):
+    """`count` distinct ports that were free on 127.0.0.1 a moment ago."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Worker:
+    """One worker process whose output is printed with a prefix as it comes."""
+
+    def __init__(self, index, command, env):
+        self.index = index
+        self.last = collections.deque(maxlen=LAST_LINES)
+        self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, text=True, env=env,
+                                     start_new_session=True)  # Signals come from us only.
+        self.reader = threading.Thread(target=self._pump, daemon=True)
+        self.reader.start()
+
+    def _pump(self):
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.last.append(line)
+            print(f"[worker {self.index}] {line}", flush=True)
+
+    def terminate(self):
+        """SIGTERM: the worker stops after the step all workers agree on."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+    def wait_or_kill(self, deadline):
+        """Waits until `deadline` (time.monotonic()), then SIGKILL; bounded."""
+        try:
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 0))
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self.reader.join(timeout=5)
+
+
+def stop_all(workers, grace):
+    """Stops every worker; returns once none is left.
+
+    SIGTERM goes to every worker at once; they agree on the step to stop
+    after and the chief checkpoints. Any worker still running `grace`
+    seconds later gets SIGKILL. `grace` 0: SIGKILL at once.
+    """
+    if grace > 0:
+        for worker in workers:
+            worker.terminate()
+    deadline = time.monotonic() + grace
+    for worker in workers:
+        worker.wait_or_kill(deadline)
+
+
+def exit_status(returncode):
+    """The shell's convention: a process killed by signal N exits 128 + N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def start(num_workers, train_args):
+    ports = free_ports(num_workers)
+    peers = ",".join(f"127.0.0.1:{port}" for port in ports)
+    env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
+    env["PYTHONUNBUFFERED"] = "1"
+    env[LAUNCHER_VARIABLE] = str(os.getpid())
+    env[LOCAL_PROCESSES_VARIABLE] = str(num_workers)
+    workers = []
+    for index in range(num_workers):
+        command = [*TRAIN, *train_args, "--peers", peers,
+                   "--worker-index", str(index)]
+        workers.append(Worker(index, command, env))
+        print(f"launch: worker {index} pid {workers[-1].proc.pid} ({peers})", flush=True)
+    return workers
+
+
+def supervise(workers, timeout, grace):
+    """Waits for every worker; on the first failure or the timeout stops the rest.
+
+    Returns the launcher's exit status.
+    """
+    deadline = time.monotonic() + timeout
+    running = list(workers)
+    while running:
+        for worker in list(running):
+            code = worker.proc.poll()
+            if code is None:
+                continue
+            running.remove(worker)
+            if code in STOPPED_STATUSES:
+                return stopped(worker, workers, grace)
+            if code != 0:
+                return fail(worker, workers, grace, f"exited with status {exit_status(code)}")
+        if time.monotonic() > deadline:
+            return fail(None, workers, grace, f"still running after --timeout {timeout:g} s")
+        time.sleep(0.1)
+    for worker in workers:
+        worker.reader.join(timeout=grace)
+    return 0
+
+
+def stopped(worker, workers, grace):
+    """A worker stopped on a signal, after a checkpoint: every worker stops after
+    that same step, so the others get `grace` seconds to exit on their own.
+
+    Returns the worker's exit status.
+    """
+    deadline = time.monotonic() + grace
+    for other in workers:
+        other.wait_or_kill(deadline)
+    print(f"launch: stopped on a signal after a checkpoint (worker {worker.index} exited "
+          f"first, status {worker.proc.returncode})", file=sys.stderr, flush=True)
+    return worker.proc.returncode
+
+
+def fail(dead, workers, grace, what):
+    """Kills every worker, reports `dead`'s last lines, returns its exit status.
+
+    No SIGTERM first: the others cannot finish a step without the dead worker
+    (every step is a collective over all of them), so they would never reach
+    the step boundary where they checkpoint. Killing is safe: checkpoint
+    writes are atomic. After the timeout the workers get `grace` to stop.
+    """
+    stop_all(workers, grace if dead is None else 0)
+    if dead is None:
+        print(f"launch: error: workers {what}; stopped them all", file=sys.stderr, flush=True)
+        return 1
+    print(f"launch: error: worker {dead.index} {what}; stopped the others. Its last lines:",
+          file=sys.stderr)
+    for line in dead.last:
+        print(f"  {line}", file=sys.stderr)
+    sys.stderr.flush()
+    return exit_status(dead.proc.returncode) or 1
+
+
+def follow_launcher(stop, environ=os.environ, interval=0.5):
+    """In a worker the launcher started: asks `stop` to stop once the launcher is gone.
+
+    A launcher killed outright (SIGKILL, an out-of-memory kill) cannot stop
+    its workers. A daemon thread watches this process's parent; when it is no
+    longer the launcher, it requests a stop as SIGTERM would, so the workers
+    agree on a step, the chief checkpoints, and each exits. No signal is
+    involved: a signal's handling can be taken over by the frameworks'
+    native code. Returns whether this process follows a launcher.
+    """
+    launcher = environ.get(LAUNCHER_VARIABLE)
+    if not launcher:
+        return False
+
+    def watch():
+        while os.getppid() == int(launcher):
+            time.sleep(interval)
+        stop.request("SIGTERM")
+
+    threading.Thread(target=watch, name="kdist-follow-launcher", daemon=True).start()
+    return True

@@ -1,0 +1,265 @@
+"""One process per replica on this machine, for the engines that need it (torch).
+
+Keras' torch backend has no in-process data parallelism, so the torch
+engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
+`run` starts those processes for `train_and_evaluate(replicas=N)` and
+`kdist-train --replicas N`, so one machine needs no launcher:
+
+- each process is a fresh interpreter (`python -c`, this one's, in its own
+  session, so signals reach it only through the parent); it imports no
+  script of the caller's: the function and its arguments travel pickled by
+  cloudpickle, which also takes lambdas and functions of a script's own;
+- it joins a process group on a free loopback port (the engine's
+  `connect`), runs the function with the same arguments and sends its
+  outcome back through a pipe; the chief's log lines go to the caller's
+  `log` as they come;
+- a stop request in the parent (`stop`, a signal, Ctrl-C) becomes the same
+  signal (SIGTERM for a stop no signal asked for) to every process: they
+  agree on a step, the chief checkpoints, and the parent raises the chief's
+  `Interrupted`, which names that signal;
+- a process that fails makes the parent stop the others (a process left
+  alone would wait in its next all-reduce) and raise that failure; a parent
+  killed outright leaves processes that stop as on SIGTERM
+  (`follow_launcher`).
+
+An input that cannot be pickled (a tf.data pipeline) is refused with one line.
+"""
+
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from multiprocessing import connection
+
+import cloudpickle
+
+from kdist.errors import Interrupted, KdistError, TrainingError, UsageError
+from kdist.runtime import startup
+from kdist.workers import cluster, interrupt
+from kdist.workers.processes import (
+    CLUSTER_VARIABLES,
+    LAUNCHER_VARIABLE,
+    LOCAL_PROCESSES_VARIABLE,
+    REPLICA_PROCESSES_VARIABLE,
+    exit_status,
+    follow_launcher,
+    free_ports,
+)
+
+GRACE_SECONDS = 30.0  # For the others to stop once one process has failed.
+# What one replica process holds before its data: Python, Keras and the framework
+# (torch 2.13 on a CPU: about 0.5 GB resident), with room for a model and its batches.
+PROCESS_GB = 0.75
+_CHILD = "from kdist.workers.replicas import replica_main; replica_main()"
+
+
+def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
+    """`fn(**kwargs, log=..., stop=...)` in `num_replicas` processes, one replica
+    each; returns what process 0's call returned.
+
+    Raises, in this order of preference: `TrainingError` naming a process
+    that ended without reporting (killed by a signal, say); the first kdist
+    error a process reported, else the first other error (the others then
+    fail in a collective; that one's traceback is printed); process 0's
+    `Interrupted` after a stop.
+    """
+    _check_memory(num_replicas)
+    try:
+        call = cloudpickle.dumps((fn, kwargs))
+    except Exception as e:  # noqa: BLE001 (whatever pickling raises, one line)
+        raise UsageError(
+            f"on this backend each replica is a process, which gets the data and functions "
+            f"pickled; these cannot be ({type(e).__name__}: {e}); pass arrays, a "
+            "kdist.Dataset or a picklable input") from None
+    folder = tempfile.mkdtemp(prefix="kdist-replicas-")
+    processes, pipes = [], []
+    try:
+        payload = os.path.join(folder, "call.pickle")
+        with open(payload, "wb") as f:
+            pickle.dump(sys.path, f)  # The caller's modules, importable in every process.
+            f.write(cloudpickle.dumps(warnings.showwarning))  # How it shows warnings.
+            f.write(call)
+        address = f"127.0.0.1:{free_ports(1)[0]}"
+        for rank in range(num_replicas):
+            spec = cluster.ClusterSpec(num_replicas, rank, (address,), connect_timeout,
+                                       source=f"{num_replicas} local replica processes")
+            process, pipe = _start(spec, payload)
+            processes.append(process)
+            pipes.append(pipe)
+        return _supervise(processes, pipes, log, stop)
+    finally:
+        _kill(processes)
+        shutil.rmtree(folder, ignore_errors=True)  # kdist's own temporary folder.
+
+
+def _check_memory(num_replicas, meminfo="/proc/meminfo"):
+    """Refuses more processes than this machine's available memory holds."""
+    try:
+        with open(meminfo) as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available_gb = int(fields["MemAvailable"].split()[0]) / 2**20
+    except (OSError, KeyError, ValueError):
+        return  # Not Linux: nothing to check against.
+    if num_replicas * PROCESS_GB > available_gb:
+        raise UsageError(
+            f"--replicas {num_replicas} but {num_replicas} processes (one per replica on "
+            f"this backend) need about {num_replicas * PROCESS_GB:.0f} GB and "
+            f"{available_gb:.1f} GB is available; use at most "
+            f"{max(1, int(available_gb // PROCESS_GB))}")
+
+
+def _start(spec, payload):
+    read, write = os.pipe()
+    env = dict(os.environ, **{LAUNCHER_VARIABLE: str(os.getpid()),
+                              LOCAL_PROCESSES_VARIABLE: str(spec.num_workers),
+                              REPLICA_PROCESSES_VARIABLE: "1"})
+    for name in CLUSTER_VARIABLES + cluster.TORCHRUN_VARIABLES:
+        env.pop(name, None)  # This group is described by `spec` alone.
+    process = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(spec.num_workers), str(spec.worker_index),
+         spec.coordinator, str(spec.connect_timeout), payload, str(write)],
+        stdin=subprocess.DEVNULL, pass_fds=(write,), env=env, start_new_session=True)
+    os.close(write)
+    return process, connection.Connection(read, writable=False)
+
+
+def _supervise(processes, pipes, log, stop, forwarded=False):
+    reported, open_pipes = {}, dict(enumerate(pipes))
+    failed_at = None
+    try:
+        while open_pipes or any(p.poll() is None for p in processes):
+            for pipe in connection.wait(list(open_pipes.values()), timeout=0.05):
+                rank = next(r for r, p in open_pipes.items() if p is pipe)
+                try:
+                    kind, value = pipe.recv()
+                except EOFError:  # The process closed it: it is ending.
+                    del open_pipes[rank]
+                    continue
+                if kind == "log":
+                    log(value)
+                else:
+                    reported[rank] = (kind, value)
+            if not open_pipes:
+                time.sleep(0.05)
+            if stop and not forwarded:
+                forwarded = _terminate(processes, getattr(stop, "signal_name", None))
+            if failed_at is None and _failed(processes, reported):
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > GRACE_SECONDS:
+                break  # The others wait in a collective for the failed one.
+    except KeyboardInterrupt:
+        if forwarded:  # A second Ctrl-C: `run` kills them (checkpoint writes are atomic).
+            raise
+        _terminate(processes, "SIGINT")  # Every process checkpoints and stops; then report.
+        return _supervise(processes, pipes, log, stop=None, forwarded=True)
+    return _outcome(processes, reported)
+
+
+def _failed(processes, reported):
+    """Whether a process reported an error or ended without reporting."""
+    return any(kind == "error" for kind, _ in reported.values()) or any(
+        p.poll() not in (None, 0) and rank not in reported for rank, p in enumerate(processes))
+
+
+def _outcome(processes, reported):
+    """Process 0's result, or the error that `run` raises (see `run`)."""
+    errors = [(rank, _rebuilt(*value)) for rank, (kind, value) in reported.items()
+              if kind == "error"]
+    if not errors and reported.get(0, (None,))[0] == "ok":
+        return reported[0][1]
+    for rank, process in enumerate(processes):
+        if rank not in reported and process.poll() is not None:
+            raise TrainingError(f"replica process {rank} exited with status "
+                                f"{exit_status(process.poll())} without a result; "
+                                "stopped the others")
+    # kdist's own errors first: another process's failure in a collective follows them.
+    causes = sorted((e for _, e in errors if not isinstance(e, Interrupted)),
+                    key=lambda e: e.replica_traceback is not None)
+    if causes:
+        raise _raised(causes[0])
+    if errors:
+        raise _raised(dict(errors).get(0, errors[0][1]))
+    raise TrainingError(f"the replica processes gave no result within {GRACE_SECONDS:g} s "
+                        "of a failure; stopped them")
+
+
+def _terminate(processes, signal_name=None):
+    """Sends every running process `signal_name` (None: SIGTERM)."""
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(getattr(signal, signal_name or "SIGTERM"))
+    return True
+
+
+def _kill(processes):
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+        process.wait(timeout=30)
+
+
+def replica_main():
+    """The entry point of one replica process (`python -c`, started by `run`)."""
+    workers, rank, address, timeout, payload, fd = sys.argv[1:7]
+    spec = cluster.ClusterSpec(int(workers), int(rank), (address,), float(timeout),
+                               source=f"{workers} local replica processes")
+    pipe = connection.Connection(int(fd), readable=False)
+    stop = interrupt.StopRequest()
+    follow_launcher(stop)  # The parent: gone, it cannot stop this process.
+    chief = spec.worker_index == 0
+
+    def log(line):
+        if chief:
+            pipe.send(("log", line))
+
+    try:
+        with interrupt.stop_on_signals(stop, escalate=False):  # `run` ends it if need be.
+            # Start-up notices hidden as in the parent, whose
+            # `startup.prepare_environment` sets TF_CPP_MIN_LOG_LEVEL unless --verbose.
+            startup.load_frameworks(quiet="TF_CPP_MIN_LOG_LEVEL" in os.environ)
+            with open(payload, "rb") as f:
+                sys.path[:] = pickle.load(f)
+                warnings.showwarning = pickle.load(f)
+                fn, kwargs = pickle.load(f)
+            from kdist import engines  # Loads Keras and the backend.
+
+            with cluster.connect_deadline(spec):
+                engines.connect(spec)
+            result = fn(**kwargs, log=log, stop=stop)
+        pipe.send(("ok", result if chief else None))
+    except BaseException as e:  # noqa: BLE001 (every outcome goes to the parent)
+        pipe.send(("error", _portable(e)))
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _portable(error):
+    """(class, message, attributes, traceback) of `error`: a kdist error comes back
+    as itself; any other as a TrainingError with its type, message and traceback."""
+    if isinstance(error, KdistError):
+        return type(error), str(error), dict(vars(error)), None
+    return (TrainingError, f"{type(error).__name__}: {error}", {},
+            "".join(traceback.format_exception(error)))
+
+
+def _rebuilt(cls, message, attributes, trace):
+    error = cls.__new__(cls)
+    Exception.__init__(error, message)
+    vars(error).update(attributes)
+    error.replica_traceback = trace
+    return error
+
+
+def _raised(error):
+    """`error`, after printing the traceback of the process it came from, if it
+    was not a kdist error (only the cause's: the others fail after it)."""
+    if error.replica_traceback:
+        sys.stderr.write(error.replica_traceback)
+    return error
