@@ -16,7 +16,7 @@ _LAZY = {
     "evaluate_checkpoint": "kdist.loop.training",
     "create_model": "kdist.models.cnn",
     "Dataset": "kdist.inputs.arrays",
-    "Inputs": "kdist.inputs.sources",
+    "Inputs": "kdist.inputs.base",
     "TFRecords": "kdist.inputs.tfrecords",
     "load_fashion_mnist": "kdist.datasets.fashion_mnist",
     "synthetic_fashion_mnist": "kdist.datasets.fashion_mnist",

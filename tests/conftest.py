@@ -27,14 +27,13 @@ startup.set_host_device_count(NUM_DEVICES)
 import keras  # noqa: E402
 
 if keras.backend.backend() == "tensorflow":
-    from kdist.engines import tensorflow as tf_engine
 
-    tf_engine.split_cpu(NUM_DEVICES)
+    startup.split_tensorflow_cpu(NUM_DEVICES)
 elif keras.backend.backend() == "jax":  # JAX starts its backend, with NUM_DEVICES CPUs,
     import jax  # at its first device query: now, so no in-process command can change it.
 
     assert len(jax.devices()) == NUM_DEVICES
-# torch: one process per replica (`kdist.workers.replicas`), no devices to set.
+# torch: one process per replica (`kdist.loop.replicas`), no devices to set.
 
 from kdist import errors
 from kdist.datasets import fashion_mnist  # noqa: E402

@@ -9,6 +9,7 @@ first, before any TensorFlow op or JAX computation, as `kdist-train` does.
 
 import sys
 
+from kdist.inputs import base
 from kdist.runtime import startup
 from kdist.workers import cluster
 
@@ -18,14 +19,13 @@ def inputs_of(kind):
     import keras
     import test_inputs
 
-    from kdist.inputs import sources
 
     keras.utils.set_random_seed(1)  # A tf.data shuffle's seeds depend on the global seed.
     x, y = test_inputs.TRAIN
     if kind == "tf.data":
-        return sources.Inputs(test_inputs.tf_data(x, y, 25, shuffle=7),
+        return base.Inputs(test_inputs.tf_data(x, y, 25, shuffle=7),
                              test_inputs.tf_data(*test_inputs.TEST, 100))
-    return sources.Inputs(test_inputs.Batches(x, y, 25), test_inputs.Batches(*test_inputs.TEST, 64))
+    return base.Inputs(test_inputs.Batches(x, y, 25), test_inputs.Batches(*test_inputs.TEST, 64))
 
 
 def train(kind, folder, batch_size, replicas=None, log=print):

@@ -20,7 +20,7 @@ from test_inputs import (
 )
 
 from kdist.errors import DataError, UsageError
-from kdist.inputs import sources
+from kdist.inputs import base, sources
 
 grain = pytest.importorskip("grain", reason="grain is not installed (pip install kdist[grain])")
 
@@ -34,11 +34,11 @@ def test_a_shuffled_map_dataset_trains_on_grains_order_of_each_epoch(tmp_path):
     """Epoch e reads Grain's indices e * len .. (e + 1) * len - 1: the shuffle's
     order for epoch e, which a function of the epoch yields for comparison."""
     x, y = TRAIN
-    train(tmp_path, "grain", sources.Inputs(examples(x, y).shuffle(seed=3).batch(25), TEST))
+    train(tmp_path, "grain", base.Inputs(examples(x, y).shuffle(seed=3).batch(25), TEST))
     orders = [[grain.MapDataset.range(400).shuffle(seed=3)[e * 400 + i] for i in range(400)]
               for e in (0, 1)]
     assert orders[0] != orders[1] and sorted(orders[0]) == list(range(400))
-    train(tmp_path, "its order", sources.Inputs(
+    train(tmp_path, "its order", base.Inputs(
         lambda epoch: iter(in_batches(x[orders[epoch]], y[orders[epoch]], 25)), TEST))
     worst = max_difference(final_weights(tmp_path, "grain"), final_weights(tmp_path, "its order"))
     print(f"\nmax weight difference {worst:.3g}")
@@ -67,13 +67,13 @@ def test_evaluation_splits_full_batches_and_shares_the_tail(kind):
 
 
 def test_a_map_dataset_resumes_mid_epoch_exactly(tmp_path):
-    banner = resume_matches(tmp_path, lambda: sources.Inputs(
+    banner = resume_matches(tmp_path, lambda: base.Inputs(
         examples(*TRAIN).shuffle(seed=3).batch(25), examples(*TEST).batch(64)))
     assert "Data: train grain.MapDataset, test grain.MapDataset" in banner
 
 
 def test_an_iter_dataset_resumes_mid_epoch_exactly(tmp_path):
-    resume_matches(tmp_path, lambda: sources.Inputs(
+    resume_matches(tmp_path, lambda: base.Inputs(
         examples(*TRAIN).shuffle(seed=3).to_iter_dataset().batch(30), TEST))
 
 
@@ -95,8 +95,8 @@ def test_an_iter_dataset_resumes_mid_epoch_exactly(tmp_path):
 ])
 def test_bad_grain_input_is_one_clear_error(given, error, message):
     if error is None:  # The good case of the same shape: prepared without error.
-        assert sources.prepare(sources.Inputs(given(), TEST)).train.kind == "grain.IterDataset"
+        assert sources.prepare(base.Inputs(given(), TEST)).train.kind == "grain.IterDataset"
         return
     with pytest.raises(error, match=message):
-        prepared = sources.prepare(sources.Inputs(given(), TEST))
+        prepared = sources.prepare(base.Inputs(given(), TEST))
         list(prepared.train.train(32, seed=0, epoch=0))

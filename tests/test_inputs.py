@@ -246,21 +246,21 @@ def test_every_kind_trains_like_the_same_batches(tmp_path):
     equals the arrays; a PyDataset equals a function yielding its batches in the
     (seed, epoch) order kdist takes them; tf.data (one epoch) equals the arrays."""
     x, y = TRAIN
-    arrays = train(tmp_path, "arrays", sources.Inputs((x, y), TEST))
+    arrays = train(tmp_path, "arrays", base.Inputs((x, y), TEST))
 
     def arrays_order(epoch):
         order = np.random.default_rng([SEED, epoch]).permutation(len(x))
         return iter(in_batches(x[order], y[order], 50))
 
-    function = train(tmp_path, "function", sources.Inputs(arrays_order, TEST))
+    function = train(tmp_path, "function", base.Inputs(arrays_order, TEST))
     worst = max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "function"))
     print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-6, worst
     assert without_timing(function["history"]) == without_timing(arrays["history"])
 
     batches = in_batches(x, y, 25)
-    train(tmp_path, "pydataset", sources.Inputs(Batches(x, y, 25), TEST))
-    train(tmp_path, "its order", sources.Inputs(lambda epoch: iter(
+    train(tmp_path, "pydataset", base.Inputs(Batches(x, y, 25), TEST))
+    train(tmp_path, "its order", base.Inputs(lambda epoch: iter(
         [batches[i] for i in np.random.default_rng([SEED, epoch]).permutation(16)]), TEST))
     worst = max_difference(final_weights(tmp_path, "pydataset"),
                            final_weights(tmp_path, "its order"))
@@ -271,9 +271,9 @@ def test_every_kind_trains_like_the_same_batches(tmp_path):
 @needs_tf
 def test_tf_data_trains_like_the_same_batches_as_arrays(tmp_path):
     x, y = TRAIN
-    train(tmp_path, "arrays", sources.Inputs((x, y), TEST), epochs=1)
+    train(tmp_path, "arrays", base.Inputs((x, y), TEST), epochs=1)
     order = np.random.default_rng([SEED, 0]).permutation(len(x))
-    result = train(tmp_path, "tf", sources.Inputs(tf_data(x[order], y[order], 30),
+    result = train(tmp_path, "tf", base.Inputs(tf_data(x[order], y[order], 30),
                                                  tf_data(*TEST, 100)), epochs=1)
     worst = max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "tf"))
     print(f"\nmax weight difference {worst:.3g}")
@@ -285,7 +285,7 @@ def test_evaluation_counts_every_example_once_whatever_the_kind():
     engine = engines.create_engine(2)
     keras.utils.set_random_seed(0)
     model, step = building.prepare_model(engine, 32, building.sample_rows(
-        sources.prepare(sources.Inputs(TRAIN, TEST))), make_mlp)
+        sources.prepare(base.Inputs(TRAIN, TEST))), make_mlp)
     engine.compile_steps(step, model.optimizer)
     x, y = TEST
     kinds = [(x, y), Batches(x, y, 64), lambda: iter(in_batches(x, y, 37))]
@@ -338,7 +338,7 @@ def test_tf_data_that_reshuffles_every_epoch_resumes_mid_epoch_exactly(tmp_path)
     source = sources.source_for(tf_data(x, y, 25, shuffle=7), "train")
     first = [next(iter(source.train(32, seed=0, epoch=e)))[0] for e in (0, 1)]
     assert not np.array_equal(*first)  # Each epoch has its own order: the replay matters.
-    resume_matches(tmp_path, lambda: sources.Inputs(tf_data(x, y, 25, shuffle=7),
+    resume_matches(tmp_path, lambda: base.Inputs(tf_data(x, y, 25, shuffle=7),
                                                    tf_data(*TEST, 100)))
 
 
@@ -350,7 +350,7 @@ def test_a_tf_data_pass_resumed_at_a_step_is_the_rest_of_the_epoch(drop_remainde
     def made():
         keras.utils.set_random_seed(1)
         dataset = tf_data(x, y, 1, shuffle=7).unbatch().batch(24, drop_remainder=drop_remainder)
-        return sources.prepare(sources.Inputs(dataset, TEST)).train
+        return sources.prepare(base.Inputs(dataset, TEST)).train
 
     straight = made()
     epochs = [list(straight.train(32, seed=0, epoch=e)) for e in (0, 1)]
@@ -362,7 +362,7 @@ def test_a_tf_data_pass_resumed_at_a_step_is_the_rest_of_the_epoch(drop_remainde
 
 
 def test_pydataset_resumes_mid_epoch_exactly(tmp_path):
-    banner = resume_matches(tmp_path, lambda: sources.Inputs(Batches(*TRAIN, 25),
+    banner = resume_matches(tmp_path, lambda: base.Inputs(Batches(*TRAIN, 25),
                                                             Batches(*TEST, 64)))
     assert "Data: train PyDataset, test PyDataset (400 train, 1,001 test examples)" in banner
     assert "train function" not in banner
@@ -375,7 +375,7 @@ def test_a_function_of_the_epoch_resumes_mid_epoch_exactly(tmp_path):
         order = np.random.default_rng([9, epoch]).permutation(len(x))
         return iter(in_batches(x[order], y[order], 30))
 
-    banner = resume_matches(tmp_path, lambda: sources.Inputs(shuffled, TEST))
+    banner = resume_matches(tmp_path, lambda: base.Inputs(shuffled, TEST))
     assert ("; the train function is called again and its first 96 examples dropped: exact "
             "if it yields the same batches as before") in banner
 
@@ -384,7 +384,7 @@ def test_a_function_of_the_epoch_resumes_mid_epoch_exactly(tmp_path):
 def one_epoch(tmp_path_factory):
     """A checkpoint folder after one epoch of the toy data."""
     folder = tmp_path_factory.mktemp("one_epoch")
-    train(folder, "run", sources.Inputs(TRAIN, TEST), epochs=1)
+    train(folder, "run", base.Inputs(TRAIN, TEST), epochs=1)
     return folder / "run"
 
 
@@ -412,7 +412,7 @@ def test_bad_training_data_is_one_clear_error_and_nothing_is_written(
     shutil.copytree(one_epoch, folder)
     before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
     with pytest.raises(error, match=message):
-        train(tmp_path, "run", sources.Inputs(train_data, TEST), epochs=2)
+        train(tmp_path, "run", base.Inputs(train_data, TEST), epochs=2)
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
 
 
@@ -428,9 +428,9 @@ def test_tf_data_must_be_batched_finite_and_non_empty():
     with pytest.raises(DataError, match="infinite tf.data.Dataset.*drop repeat"):
         sources.source_for(examples.batch(8).repeat(), "train")
     with pytest.raises(DataError, match="the test data is empty"):
-        sources.prepare(sources.Inputs(TRAIN, examples.batch(8).take(0)))
+        sources.prepare(base.Inputs(TRAIN, examples.batch(8).take(0)))
     with pytest.raises(DataError, match="the test data is empty"):
-        sources.prepare(sources.Inputs(TRAIN, examples.batch(8).filter(lambda a, b: False)))
+        sources.prepare(base.Inputs(TRAIN, examples.batch(8).filter(lambda a, b: False)))
     assert isinstance(sources.source_for(examples.batch(8), "train"), pipelines.TfDataSource)
 
 
@@ -491,9 +491,9 @@ def test_a_tf_data_iterator_left_mid_epoch_is_deleted_off_the_reading_thread(mon
 
 def test_an_empty_test_set_fails_before_training():
     with pytest.raises(DataError, match="the test data is empty"):
-        sources.prepare(sources.Inputs(TRAIN, lambda: iter([])))
+        sources.prepare(base.Inputs(TRAIN, lambda: iter([])))
     with pytest.raises(UsageError, match="kdist.Inputs has no train data"):
-        sources.prepare(sources.Inputs(test=TEST))
+        sources.prepare(base.Inputs(test=TEST))
 
 
 # The README's examples.

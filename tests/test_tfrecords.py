@@ -25,7 +25,7 @@ from kdist.cli import common, write_data
 from kdist.cli import train as train_cli
 from kdist.datasets import ondisk
 from kdist.errors import DataError
-from kdist.inputs import sources
+from kdist.inputs import base, sources
 from kdist.inputs.tfrecords import TFRecords, write
 
 pytest.importorskip("tensorflow", reason="TFRecord files are read with tf.data")
@@ -45,9 +45,9 @@ def test_streamed_files_train_like_the_same_batches_in_memory(tmp_path, folder):
     """Files and examples as written (shuffle_buffer=0) against a function yielding
     the arrays in that order: SGD, 2 replicas, 2 epochs, to 1e-5."""
     x, y = TRAIN
-    streamed = train(tmp_path, "files", sources.Inputs(TFRecords(folder, shuffle_buffer=0),
+    streamed = train(tmp_path, "files", base.Inputs(TFRecords(folder, shuffle_buffer=0),
                                                       TFRecords(folder, "test")))
-    memory = train(tmp_path, "memory", sources.Inputs(lambda: iter(in_batches(x, y, 50)), TEST))
+    memory = train(tmp_path, "memory", base.Inputs(lambda: iter(in_batches(x, y, 50)), TEST))
     worst = max_difference(final_weights(tmp_path, "files"), final_weights(tmp_path, "memory"))
     print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-5, worst
@@ -83,7 +83,7 @@ def test_evaluation_counts_every_example_once(folder):
 
 
 def test_shuffled_files_resume_mid_epoch_exactly(tmp_path, folder):
-    banner = resume_matches(tmp_path, lambda: sources.Inputs(
+    banner = resume_matches(tmp_path, lambda: base.Inputs(
         TFRecords(folder, shuffle_buffer=64), TFRecords(folder, "test")))
     assert "Data: train TFRecord files, test TFRecord files" in banner
 
@@ -91,7 +91,7 @@ def test_shuffled_files_resume_mid_epoch_exactly(tmp_path, folder):
 def test_bad_folders_are_one_clear_error(tmp_path, folder):
     with pytest.raises(DataError, match=r"the train data: .*kdist-records.json has no split "
                                         r"'train' \(FileNotFoundError"):
-        sources.prepare(sources.Inputs(TFRecords(str(tmp_path)), TEST))
+        sources.prepare(base.Inputs(TFRecords(str(tmp_path)), TEST))
     broken = tmp_path / "broken"
     broken.mkdir()
     index = json.load(open(os.path.join(folder, "kdist-records.json")))

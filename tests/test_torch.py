@@ -1,4 +1,4 @@
-"""The torch engine: one process per replica (`kdist.workers.replicas`), the same math as one.
+"""The torch engine: one process per replica (`kdist.loop.replicas`), the same math as one.
 
 Every multi-replica case here runs real processes joined by torch.distributed
 (gloo); each process feeds its shard of every global batch.
@@ -19,8 +19,8 @@ from helpers import prepare
 from kdist import engines, tree
 from kdist.engines import contract
 from kdist.errors import TrainingError, UsageError
-from kdist.loop import chunks
-from kdist.workers import cluster, replicas
+from kdist.loop import chunks, replicas
+from kdist.workers import cluster
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch",
                                 reason="the torch engine; other backends run in one process")
@@ -113,7 +113,7 @@ def test_torchrun_variables_describe_the_process_group():
 
 
 def children(pid):
-    """The replica processes `pid` started (`kdist.workers.replicas`)."""
+    """The replica processes `pid` started (`kdist.loop.replicas`)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         pids = [int(p) for p in f.read().split()]
     found = []

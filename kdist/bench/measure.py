@@ -40,11 +40,11 @@ from kdist.config import BENCH_WINDOWS, TrainConfig
 from kdist.errors import UsageError
 from kdist.inputs import base
 from kdist.loop import building
+from kdist.loop import replicas as replica_processes
 from kdist.loop.chunks import evaluate_source, run_steps, zero_totals
 from kdist.models import resnet
 from kdist.models.cnn import create_model
 from kdist.precision import DEFAULT_PRECISION, check_precision, policy
-from kdist.workers import replicas as replica_processes
 
 # --model's choices (`kdist.config.BENCH_MODELS`): name -> the function building it.
 # cnn-stock is the CNN with Keras' own layers, to weigh `kdist.models.cnn`'s JAX formulations.
@@ -163,7 +163,7 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
     `model` names the network (`MODELS`) that `dataset` suits. `fit` False
     measures kdist alone, as do several workers (their fit figures are None).
     `measure_peak` False leaves the CPU record's matmul GFLOP/s None. On
-    torch, several replicas are several processes (`kdist.workers.replicas`), each
+    torch, several replicas are several processes (`kdist.loop.replicas`), each
     measuring its share, as workers do; `stop` is their stop request, unused.
     """
     for precision in precisions:

@@ -1,6 +1,6 @@
 """Command-line flags: parsers of their values, and the train flags of `TrainConfig`.
 
-The train flags are derived from `kdist.TrainConfig`'s fields (their help is
+The train flags are derived from `TrainConfig`'s fields (their help is
 in the fields' metadata, see `kdist.config`), so a field and its flag cannot
 drift apart.
 """
@@ -9,8 +9,8 @@ import argparse
 import math
 import typing
 
-import kdist
 from kdist import checks, config
+from kdist.config import TrainConfig
 
 
 def positive(kind):
@@ -84,4 +84,4 @@ def add_config_flags(parser, names=None):
 def config_from_args(args, **fields):
     """The `TrainConfig` of parsed train flags; `fields` sets those without a flag."""
     values = {f.name: getattr(args, f.name) for f in config.flag_fields()}
-    return kdist.TrainConfig(**values, **fields)
+    return TrainConfig(**values, **fields)

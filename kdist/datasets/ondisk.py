@@ -8,6 +8,7 @@ import os
 import numpy as np
 
 from kdist.datasets import fashion_mnist
+from kdist.inputs import tfrecords
 
 
 def fashion_mnist_uint8(data_dir=None):
@@ -35,8 +36,6 @@ def synthetic_chunks(examples, chunks, seed=0):
 def write(folder, splits, shards, kind="tfrecord"):
     """Writes `splits`, {"train": chunks, "test": chunks} where chunks is a list
     or iterator of `shards` (x, y) parts, as TFRecord or .npy files in `folder`."""
-    from kdist.inputs import tfrecords
-
     for split, chunks in splits.items():
         if kind == "tfrecord":
             tfrecords.write_files(folder, split, chunks, shards)

@@ -8,7 +8,7 @@ import importlib
 
 import keras
 
-from kdist.errors import UsageError  # noqa: F401 (kdist.engines.UsageError, as before)
+from kdist.errors import UsageError  # noqa: F401 (the engines raise it)
 from kdist.runtime.startup import BACKENDS, check_backend  # noqa: F401 (one registry, in startup)
 
 
@@ -24,7 +24,7 @@ def create_engine(replicas=None, distributed=True):
 
 
 def replica_processes(replicas):
-    """How many processes to start for `replicas` replicas (`kdist.workers.replicas`): 0
+    """How many processes to start for `replicas` replicas (`kdist.loop.replicas`): 0
     where the engine runs them in this process (TensorFlow, JAX), where one
     replica is asked for, or where this process already is one replica of a
     group; `replicas` where the engine runs one replica per process (torch)."""

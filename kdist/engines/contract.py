@@ -15,7 +15,7 @@ class `Engine`). The division of work:
   global batch, metrics) is one backend-agnostic function of the
   variables' values and a batch.
 - The engine places a stacked chunk on its replicas (`distribute`; on
-  torch one replica per process, `kdist.workers.replicas`), runs
+  torch one replica per process, `kdist.loop.replicas`), runs
   the chunk's first `num_steps` steps in one compiled call (`train_chunk`,
   `eval_chunk`; the rest is padding, so every call has one shape): it
   differentiates the step's loss, sums the gradients over replicas, lets

@@ -7,23 +7,8 @@ import tensorflow as tf
 
 from kdist.engines import tf_optimizer
 from kdist.errors import UsageError
+from kdist.runtime.startup import split_tensorflow_cpu
 from kdist.step.optimizer import ema_variables, loss_scale, skipped
-
-
-def split_cpu(count):
-    """Splits the CPU into `count` logical devices, if TF has not started yet.
-
-    The split must precede TensorFlow's first op, which is why engines are
-    created before any tensor exists. Returns the logical CPU devices.
-    """
-    if count > 1:
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        try:
-            tf.config.set_logical_device_configuration(
-                cpu, [tf.config.LogicalDeviceConfiguration()] * count)
-        except RuntimeError:
-            pass  # Runtime already started: use the logical devices it has.
-    return tf.config.list_logical_devices("CPU")
 
 
 def _replica_devices(replicas):
@@ -35,7 +20,7 @@ def _replica_devices(replicas):
                              f"visible; pass --replicas {len(gpus)} or fewer")
         return [f"/gpu:{i}" for i in range(replicas or len(gpus))]
     replicas = replicas or 1
-    cpus = split_cpu(replicas)
+    cpus = split_tensorflow_cpu(replicas)
     if replicas > len(cpus):
         raise UsageError(f"--replicas {replicas} but TensorFlow already started with "
                          f"{len(cpus)} CPU devices; create the engine before any "

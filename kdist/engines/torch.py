@@ -3,7 +3,7 @@
 Keras has no distribution for the torch backend, so each replica is a
 process (gloo on CPUs, NCCL on GPUs) that runs the step eagerly on its
 shard of every global batch. `connect` joins a process group (torchrun,
-`kdist-launch`, `--peers`); `kdist.workers.replicas` starts the processes of
+`kdist-launch`, `--peers`); `kdist.loop.replicas` starts the processes of
 `--replicas N` on one machine itself.
 """
 
@@ -20,7 +20,7 @@ from kdist.step.optimizer import ema_variables, loss_scale, skipped
 from kdist.tree import map_arrays as _map_arrays
 from kdist.workers.processes import LOCAL_PROCESSES_VARIABLE
 
-# The loop starts one process per replica for this engine (`kdist.workers.replicas`).
+# The loop starts one process per replica for this engine (`kdist.loop.replicas`).
 PROCESS_PER_REPLICA = True
 _SEED_STRIDE = 1_000_003  # Separates the replicas' random streams.
 
@@ -78,7 +78,7 @@ class Engine:
 
     Args:
         replicas: None, the process group's size (a group is needed for
-            more than 1: `kdist.workers.replicas` starts one), or 1 (this process's).
+            more than 1: `kdist.loop.replicas` starts one), or 1 (this process's).
         distributed: False runs alone even inside a group, as for
             evaluating a restored model.
     """

@@ -19,10 +19,52 @@ batch by batch (`BatchCheck`).
 """
 
 
+import dataclasses
+from typing import Any
+
 import numpy as np
 
 from kdist import tree
 from kdist.errors import DataError
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Train and test data from tf.data, a PyDataset, a function or arrays.
+
+    `train` and `test` each take one of: a batched `tf.data.Dataset` of
+    (x, y) or (x, y, sample_weight); a batched Grain `MapDataset` or
+    `IterDataset`; `kdist.TFRecords` (files streamed from disk); a
+    `keras.utils.PyDataset`; a function
+    returning an iterator of such batches (called at every epoch, with the
+    epoch if it takes an argument); or NumPy arrays `(x, y)` or
+    `(x, y, sample_weight)`. `source` names the data in the banner.
+    `evaluate_checkpoint` needs only `test`.
+    """
+
+    train: Any = None
+    test: Any = None
+    source: str | None = None
+
+
+@dataclasses.dataclass
+class Prepared:
+    """The sources of a run's splits (None where a split is not needed)."""
+
+    train: Any
+    test: Any
+    source: str
+    arrays: Any = None  # The `kdist.inputs.arrays.Dataset` it was made from, if any.
+
+    def size(self, split):
+        """The examples of `split`, or None if unknown before reading it."""
+        source = getattr(self, split)
+        return None if source is None else source.size()
+
+    def sample(self, rows=2):
+        """The first `rows` examples of the training data (else the test data)."""
+        return (self.train or self.test).sample(rows)
+
 
 PARTS = ("x", "y", "sample weight")
 

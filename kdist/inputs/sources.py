@@ -1,6 +1,6 @@
 """Data from anywhere, turned into a source (`kdist.inputs.base`) for every engine.
 
-`Inputs(train=..., test=...)` takes, for each split, what Keras `fit` takes:
+`base.Inputs(train=..., test=...)` takes, for each split, what Keras `fit` takes:
 NumPy arrays `(x, y)` or `(x, y, sample_weight)`, a batched
 `tf.data.Dataset`, a `keras.utils.PyDataset`, or a function that returns an
 iterator of batches (called once per epoch); also a batched Grain dataset
@@ -9,65 +9,25 @@ source: `kdist.inputs.arrays`, `pipelines` (tf.data and functions),
 `pydatasets`, `grainsource` and `tfrecords`.
 """
 
-import dataclasses
-from typing import Any
 
 import numpy as np
 
 from kdist import tree
 from kdist.errors import UsageError
-from kdist.inputs import arrays, grainsource, pipelines, pydatasets, tfrecords
+from kdist.inputs import arrays, base, grainsource, pipelines, pydatasets, tfrecords
 from kdist.inputs.arrays import ArraySource
-
-
-@dataclasses.dataclass
-class Inputs:
-    """Train and test data from tf.data, a PyDataset, a function or arrays.
-
-    `train` and `test` each take one of: a batched `tf.data.Dataset` of
-    (x, y) or (x, y, sample_weight); a batched Grain `MapDataset` or
-    `IterDataset`; `kdist.TFRecords` (files streamed from disk); a
-    `keras.utils.PyDataset`; a function
-    returning an iterator of such batches (called at every epoch, with the
-    epoch if it takes an argument); or NumPy arrays `(x, y)` or
-    `(x, y, sample_weight)`. `source` names the data in the banner.
-    `evaluate_checkpoint` needs only `test`.
-    """
-
-    train: Any = None
-    test: Any = None
-    source: str | None = None
-
-
-@dataclasses.dataclass
-class Prepared:
-    """The sources of a run's splits (None where a split is not needed)."""
-
-    train: Any
-    test: Any
-    source: str
-    arrays: Any = None  # The `kdist.inputs.arrays.Dataset` it was made from, if any.
-
-    def size(self, split):
-        """The examples of `split`, or None if unknown before reading it."""
-        source = getattr(self, split)
-        return None if source is None else source.size()
-
-    def sample(self, rows=2):
-        """The first `rows` examples of the training data (else the test data)."""
-        return (self.train or self.test).sample(rows)
 
 
 def prepare(dataset, splits=("train", "test")):
     """The `Prepared` sources of a `kdist.Dataset` or `Inputs`, checked before work."""
-    if isinstance(dataset, Prepared):
+    if isinstance(dataset, base.Prepared):
         return dataset
     if isinstance(dataset, arrays.Dataset):
         arrays.check_dataset(dataset)
         train, test = (ArraySource(*dataset.split(s), f"{dataset.source}: the {s} set")
                        for s in ("train", "test"))
-        return Prepared(train, test, dataset.source, arrays=dataset)
-    if not isinstance(dataset, Inputs):
+        return base.Prepared(train, test, dataset.source, arrays=dataset)
+    if not isinstance(dataset, base.Inputs):
         raise UsageError(f"the data is a {type(dataset).__name__}; pass a kdist.Dataset "
                          "(NumPy arrays) or kdist.Inputs(train=..., test=...)")
     sources = {}
@@ -79,7 +39,7 @@ def prepare(dataset, splits=("train", "test")):
         if sources[split] is not None:
             sources[split].sample(1)  # Reads the first batch: an empty or bad one fails now.
     kinds = ", ".join(f"{s} {v.kind}" for s, v in sources.items() if v is not None)
-    return Prepared(sources["train"], sources["test"], dataset.source or kinds)
+    return base.Prepared(sources["train"], sources["test"], dataset.source or kinds)
 
 
 def source_for(given, split):

@@ -38,7 +38,7 @@ import numpy as np
 
 from kdist import tree
 from kdist.errors import DataError, UsageError
-from kdist.inputs import base, pipelines, sources
+from kdist.inputs import base, pipelines
 
 INDEX = "kdist-records.json"
 READ_BUFFER = 1 << 20  # Bytes read ahead per file.
@@ -96,7 +96,7 @@ def fashion_mnist(folder):
     if not os.path.isfile(path):
         raise UsageError(f"--tfrecords {folder} has no {INDEX}; write the files first: "
                          f"python scripts/write_tfrecords.py {folder}")
-    return sources.Inputs(*(TFRecords(folder, split, transform=scale_images)
+    return base.Inputs(*(TFRecords(folder, split, transform=scale_images)
                            for split in ("train", "test")), source=os.path.abspath(folder))
 
 

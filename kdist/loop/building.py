@@ -81,7 +81,7 @@ def prepare_model(engine, global_batch_size, sample, model_fn=create_model, opti
 
 def sample_rows(dataset, rows=2):
     """The first `rows` training examples of a `kdist.Dataset` or prepared inputs
-    (`kdist.inputs.sources.Prepared`: the test data's if it has no training data), as
+    (`kdist.inputs.base.Prepared`: the test data's if it has no training data), as
     (x, zero targets, sample_weight): what builds the compiled loss and
     metrics, which need only shapes and dtypes (zero targets fit every loss,
     so bad labels are reported by the checks). Few rows: the eager call that

@@ -21,7 +21,7 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
     """
     devices = ", ".join(str(d).split("device:")[-1] for d in engine.devices)
     workers, local = engine.shard[1], global_batch // engine.shard[1]
-    # The processes `kdist.workers.replicas` starts are one machine's replicas, not workers.
+    # The processes `kdist.loop.replicas` starts are one machine's replicas, not workers.
     replica_processes = os.environ.get(REPLICA_PROCESSES_VARIABLE) == "1"
     cluster = ([f"Workers: {workers}; this chief and each worker feed {local} examples of "
                 "every global batch; checkpoints and metrics are written here"]

@@ -18,10 +18,10 @@ from kdist import checkpoints, checks, engines, records
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.inputs import pipelines, sources
-from kdist.loop import building, reporting
+from kdist.loop import building, replicas, reporting
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
 from kdist.models.cnn import create_model
-from kdist.workers import interrupt, replicas
+from kdist.workers import interrupt
 
 
 def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=None,

@@ -100,15 +100,31 @@ def prepare_environment(replicas=None, verbose=False):
 
 
 def _split_tensorflow_cpu(count):
-    """TensorFlow's CPU as `count` logical devices (the TensorFlow engine's
-    `split_cpu`), unless it has GPUs; if it started already, the engine
+    """TensorFlow's CPU as `count` logical devices (`split_tensorflow_cpu`),
+    unless it has GPUs; if it started already, the engine
     says what it found."""
     import tensorflow as tf
 
-    from kdist.engines.tensorflow import split_cpu
-
     if not tf.config.list_physical_devices("GPU"):
-        split_cpu(count)
+        split_tensorflow_cpu(count)
+
+
+def split_tensorflow_cpu(count):
+    """Splits TensorFlow's CPU into `count` logical devices, if TF has not started yet.
+
+    The split must precede TensorFlow's first op, which is why engines are
+    created before any tensor exists. Returns the logical CPU devices.
+    """
+    import tensorflow as tf  # Here: this module loads before any framework.
+
+    if count > 1:
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        try:
+            tf.config.set_logical_device_configuration(
+                cpu, [tf.config.LogicalDeviceConfiguration()] * count)
+        except RuntimeError:
+            pass  # Runtime already started: use the logical devices it has.
+    return tf.config.list_logical_devices("CPU")
 
 
 def set_host_device_count(count):

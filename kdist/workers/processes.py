@@ -1,7 +1,7 @@
 """Training processes on one machine: starting them with their output prefixed,
 supervising them with bounded waits, stopping them all, and a worker following
 its launcher (`follow_launcher`). `kdist-launch` (`kdist.cli.launch`) and the
-torch replica processes (`kdist.workers.replicas`) use them. Imports no framework.
+torch replica processes (`kdist.loop.replicas`) use them. Imports no framework.
 """
 
 import collections
@@ -33,7 +33,7 @@ LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to foll
 # splits the cores between them).
 LOCAL_PROCESSES_VARIABLE = "KDIST_LOCAL_PROCESSES"
 
-# Set in the processes `kdist.workers.replicas` starts: they are one machine's replicas, not
+# Set in the processes `kdist.loop.replicas` starts: they are one machine's replicas, not
 # workers (the banner then has no "Workers:" line, as on the other backends).
 REPLICA_PROCESSES_VARIABLE = "KDIST_REPLICA_PROCESSES"
 

@@ -56,7 +56,7 @@ GRACE_SECONDS = 30.0  # For the others to stop once one process has failed.
 # What one replica process holds before its data: Python, Keras and the framework
 # (torch 2.13 on a CPU: about 0.5 GB resident), with room for a model and its batches.
 PROCESS_GB = 0.75
-_CHILD = "from kdist.workers.replicas import replica_main; replica_main()"
+_CHILD = "from kdist.loop.replicas import replica_main; replica_main()"
 
 
 def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
