@@ -3,7 +3,9 @@
 Select one with `nox -s "tests(backend='jax')"`; reuse venvs with `nox -R`.
 The `both` session has TensorFlow, JAX and PyTorch installed and runs the
 tests that cross backends (a checkpoint written on one, restored on another).
-`nox -s lowest` runs a subset against the lowest versions pyproject.toml allows.
+`nox -s lowest` runs a subset against the lowest versions pyproject.toml allows;
+`nox -s extras` installs each backend's extra alone, as a user would, and trains;
+`nox -s lint` runs ruff, mypy and the import-layer check.
 """
 
 import json
@@ -36,6 +38,34 @@ def tests(session, backend):
         env = {"KERAS_BACKEND": backend}
         args = ["-m", "not cross_backend"]
     session.run("pytest", *args, *session.posargs, env=env)
+
+
+# Lint and type-check kdist without any framework installed: mypy reads only
+# kdist's code and the stubs of numpy and Keras' own annotations.
+LINT_TOOLS = ["ruff>=0.15", "mypy>=1.18"]
+
+
+@nox.session
+def lint(session):
+    """ruff (style, imports, bugs), mypy (types) and the import layers, on kdist/."""
+    session.install("-e", ".", *LINT_TOOLS)
+    session.run("ruff", "check", "kdist", "tests", "scripts", "noxfile.py")
+    session.run("mypy", "kdist")
+    session.run("python", "scripts/import_graph.py")
+
+
+@nox.session
+@nox.parametrize("extra", ["tensorflow", "jax", "torch"])
+def extras(session, extra):
+    """One backend's extra alone, in a fresh venv, then what its user runs first."""
+    if extra == "torch":
+        session.install(TORCH_CPU)
+    session.install(f".[{extra}]")  # Not editable: as a user installs it.
+    env = {"KERAS_BACKEND": extra}
+    folder = session.create_tmp()
+    session.run("python", "-c", "import kdist; kdist.train_and_evaluate", env=env)
+    session.run("kdist-train", "--synthetic", "1200", "--epochs", "1", "--no-resume",
+                "--checkpoint-dir", os.path.join(folder, f"ckpt-{extra}"), env=env)
 
 
 # The tests `lowest` runs by default: the loop, the replicas' equivalence, the commands.
