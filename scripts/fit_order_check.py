@@ -8,13 +8,13 @@ Trains the tutorial's CNN (Adam 1e-3, batch 64, one replica) with
 `kdist.train_and_evaluate`, then trains a second model from the same initial
 weights with `fit`, fed each epoch's batches in the order kdist used
 (`kdist.inputs.arrays.epoch_order`, full batches only), and prints both test
-accuracies after every epoch and their largest difference. The tests compare single steps and short runs; this script
-compares a whole run, so that a run's final accuracy (one seed's 89.73% in
-docs/performance.md) can be told apart from a difference between kdist and
-`fit`: equal columns mean `fit` ends where kdist ends on that data order.
-`--repeat-first-order` feeds `fit` epoch 1's batches in every epoch, as
-`fit` on TensorFlow orders arrays after `keras.utils.set_random_seed`, to
-measure what that costs.
+accuracies after every epoch and their largest difference. The tests compare
+single steps and short runs; this script compares a whole run, so that a run's
+final accuracy (one seed's 89.73% in docs/performance.md) can be told apart from
+a difference between kdist and `fit`: equal columns mean `fit` ends where kdist
+ends on that data order. `--repeat-first-order` feeds `fit` epoch 1's batches in
+every epoch, as `fit` on TensorFlow orders arrays after
+`keras.utils.set_random_seed`, to measure what that costs.
 """
 
 import argparse

@@ -135,7 +135,8 @@ def multiclass_classifier():
     model = regularized_classifier()
     model.compile(optimizer=keras.optimizers.SGD(0.5),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy", keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
+                  metrics=["accuracy",
+                           keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2"),
                            MeanConfidence()])
     return model
 

@@ -67,7 +67,8 @@ def test_conv2d_matches_keras_with_the_same_weights():
 
 def test_the_stock_cnn_has_keras_layers_where_the_cnn_has_kdists_and_the_same_weights():
     fast, stock = kdist_model.create_model(), kdist_model.create_model(fast_layers=False)
-    kinds = [(type(a), type(b)) for a, b in zip(fast.layers, stock.layers) if type(a) != type(b)]
+    kinds = [(type(a), type(b)) for a, b in zip(fast.layers, stock.layers)
+             if type(a) is not type(b)]
     assert kinds == [(kdist_model.MaxPooling2D, keras.layers.MaxPooling2D),
                      (kdist_model.Conv2D, keras.layers.Conv2D),
                      (kdist_model.MaxPooling2D, keras.layers.MaxPooling2D)]

@@ -1,4 +1,5 @@
-"""Process start-up settings (`kdist.runtime.startup`, `kdist.runtime.memory`), each checked in a fresh process."""
+"""Process start-up settings (`kdist.runtime.startup`, `kdist.runtime.memory`), each checked
+in a fresh process."""
 
 import json
 import os

@@ -1,4 +1,5 @@
-"""The step's math (`kdist.step.compiled.Step`), outside any engine: loss shares, padding, metrics."""
+"""The step's math (`kdist.step.compiled.Step`), outside any engine: loss shares, padding,
+metrics."""
 
 import keras
 import numpy as np
@@ -15,7 +16,8 @@ def one_hot_model(regularization=0.0, compute_loss=None):
     model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(
         10, use_bias=False, kernel_initializer=keras.initializers.Identity(5.0),
         kernel_regularizer=keras.regularizers.L2(regularization) if regularization else None)])
-    model.compile(optimizer="sgd", loss=None if compute_loss else losses.sparse_categorical_crossentropy,
+    model.compile(optimizer="sgd",
+                  loss=None if compute_loss else losses.sparse_categorical_crossentropy,
                   metrics=["accuracy"])
     x = np.eye(10, dtype=np.float32)[[1, 2, 3]]
     labels = np.array([1, 2, 0], np.int32)  # Two right, one wrong.

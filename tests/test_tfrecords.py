@@ -1,7 +1,7 @@
-"""Data streamed from TFRecord files (kdist.inputs.tfrecords, kdist.datasets.ondisk): trains like the
-same batches in memory, each worker opens only its files, every example is
-seen once per epoch and evaluated once, a resume is exact, bad folders are one
-clear error; `scripts/train.py --tfrecords DIR` reads what
+"""Data streamed from TFRecord files (kdist.inputs.tfrecords, kdist.datasets.ondisk):
+trains like the same batches in memory, each worker opens only its files, every
+example is seen once per epoch and evaluated once, a resume is exact, bad folders
+are one clear error; `scripts/train.py --tfrecords DIR` reads what
 `scripts/write_tfrecords.py` writes. Needs TensorFlow (skipped without it).
 """
 

@@ -91,7 +91,7 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
     ratios = paired_ratios(seconds)
     for kind, (_, test) in sources.items():
         evaluate_seconds = _time_twice(lambda: evaluate_source(
-            engine, step, test, global_batch, steps_per_execution))
+            engine, step, test, global_batch, steps_per_execution))  # noqa: B023
         figures[kind] = dict(summarize_epochs(seconds[kind], steps * global_batch),
                              eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb(),
                              input_ratio=ratios[kind])

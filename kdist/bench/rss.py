@@ -23,8 +23,8 @@ from kdist.models.cnn import create_model
 
 def rescaled_cnn():
     """The CNN behind a rescaling of uint8 pixels to [0, 1]."""
-    return keras.Sequential([keras.Input(fashion_mnist.IMAGE_SHAPE), keras.layers.Rescaling(1 / 255),
-                             create_model()])
+    return keras.Sequential([keras.Input(fashion_mnist.IMAGE_SHAPE),
+                             keras.layers.Rescaling(1 / 255), create_model()])
 
 
 def rss_main(argv=None):

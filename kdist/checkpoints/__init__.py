@@ -276,7 +276,8 @@ def _remove_if_present(path):
         os.remove(path)
     except OSError as e:
         if e.errno != errno.ENOENT:
-            warnings.warn(f"could not remove {path}: {e.strerror or e}", CheckpointWarning)
+            warnings.warn(f"could not remove {path}: {e.strerror or e}", CheckpointWarning,
+                          stacklevel=1)
 
 
 class DiscardingManager:

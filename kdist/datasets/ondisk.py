@@ -23,8 +23,8 @@ def synthetic_chunks(examples, chunks, seed=0):
     """`chunks` (x, y) parts of `examples` synthetic uint8 images of Fashion-MNIST's
     shapes (a faint class template, the same for every seed, under noise), made
     one part at a time."""
-    templates = np.random.default_rng(0).integers(0, 64, (fashion_mnist.NUM_CLASSES,)  # Every set's.
-                                                  + fashion_mnist.IMAGE_SHAPE)
+    templates = np.random.default_rng(0).integers(  # Every set's.
+        0, 64, (fashion_mnist.NUM_CLASSES,) + fashion_mnist.IMAGE_SHAPE)
     bounds = np.linspace(0, examples, chunks + 1).astype(int)
     for index, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         rng = np.random.default_rng([seed, index])

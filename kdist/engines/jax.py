@@ -252,9 +252,9 @@ def _train_chunk(step):
     def steps(state, chunk, num_steps):
         per_step = []
         for k in range(_chunk_length(chunk)):
-            new_state, stats = step(state, jax.tree.map(lambda a: a[k], chunk))
+            new_state, stats = step(state, jax.tree.map(lambda a: a[k], chunk))  # noqa: B023
             active = k < num_steps
-            state = jax.tree.map(lambda new, old: jax.numpy.where(active, new, old),
+            state = jax.tree.map(lambda new, old: jax.numpy.where(active, new, old),  # noqa: B023
                                  new_state, state)
             per_step.append(stats)
         return state, _stack(per_step)
@@ -275,7 +275,7 @@ def _eval_chunk(step, zero_statistics):
 
     def steps(state, chunk, num_steps):
         return _stack([jax.lax.cond(k < num_steps, step, skip, state,
-                                    jax.tree.map(lambda a: a[k], chunk))
+                                    jax.tree.map(lambda a: a[k], chunk))  # noqa: B023
                        for k in range(_chunk_length(chunk))])
 
     return steps

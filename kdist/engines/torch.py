@@ -138,7 +138,7 @@ class Engine:
     def train_chunk(self, chunk, num_steps):
         """The chunk's first `num_steps` optimizer steps; returns each step's
         statistics summed over the processes."""
-        per_step = [self._train_step(_map_arrays(lambda a: a[k], chunk))
+        per_step = [self._train_step(_map_arrays(lambda a: a[k], chunk))  # noqa: B023
                     for k in range(num_steps)]
         return self._summed(per_step)
 
@@ -169,7 +169,7 @@ class Engine:
 
     def eval_chunk(self, chunk, num_steps):
         """The chunk's first `num_steps` eval steps; returns each step's summed statistics."""
-        return self._summed([self._eval_step(_map_arrays(lambda a: a[k], chunk),
+        return self._summed([self._eval_step(_map_arrays(lambda a: a[k], chunk),  # noqa: B023
                                              1.0 / self.num_replicas)
                              for k in range(num_steps)])
 

@@ -32,7 +32,7 @@ held in memory whole.
 import dataclasses
 import json
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -23,15 +23,15 @@ That share is:
   (per-example losses, y_pred)`): kdist computes sum(sample weight x loss)
   / GLOBAL batch + share x the model's losses.
 
-Loss scaling for mixed precision (`kdist.precision`; the optimizer's side in `kdist.step.optimizer`): when the optimizer
-scales the loss (a `keras.optimizers.LossScaleOptimizer`, which Keras'
-`compile` puts around the optimizer of a mixed_float16 model, or an
-optimizer with `loss_scale_factor`), the engine passes `loss_scale(optimizer)`
-and the step differentiates its loss times that factor, as Keras'
-`optimizer.scale_loss` does in `fit`. The engine sums the scaled gradients
-over programs; the optimizer divides the sum by the scale and, with a
-`LossScaleOptimizer`, skips a step whose summed gradients are not finite,
-on every replica alike (`skipped`). Statistics stay unscaled.
+Loss scaling for mixed precision (`kdist.precision`; the optimizer's side in
+`kdist.step.optimizer`): when the optimizer scales the loss (a
+`keras.optimizers.LossScaleOptimizer`, which Keras' `compile` puts around the
+optimizer of a mixed_float16 model, or an optimizer with `loss_scale_factor`),
+the engine passes `loss_scale(optimizer)` and the step differentiates its loss
+times that factor, as Keras' `optimizer.scale_loss` does in `fit`. The engine
+sums the scaled gradients over programs; the optimizer divides the sum by the
+scale and, with a `LossScaleOptimizer`, skips a step whose summed gradients are
+not finite, on every replica alike (`skipped`). Statistics stay unscaled.
 
 Statistics come back per step as a dict of arrays, summed over programs by
 the engine and over steps by the loop (`kdist.loop.chunks`): `loss_sum` (the
@@ -174,7 +174,7 @@ class Step:
 
 def _total(losses):
     """The sum of the model's losses (regularizers, `add_loss`), a float32 scalar."""
-    return sum((ops.sum(ops.cast(l, "float32")) for l in losses), ops.zeros((), "float32"))
+    return sum((ops.sum(ops.cast(loss, "float32")) for loss in losses), ops.zeros((), "float32"))
 
 
 def reported_metrics(model):
