@@ -17,7 +17,7 @@ def map_arrays(fn, *structures):
 
 def leaves(structure):
     """The arrays of a structure, in order."""
-    found = []
+    found: list = []
     map_arrays(found.append, structure)
     return found
 

@@ -26,7 +26,7 @@ PEAK_DTYPES = ("float32", "bfloat16")
 def parse_cpuinfo(text):
     """(model name or None, the `SPEED_FLAGS` present, in that order) of the first
     processor described in /proc/cpuinfo `text`."""
-    fields = {}
+    fields: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
             if fields.get("flags") or fields.get("features"):

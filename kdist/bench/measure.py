@@ -78,7 +78,7 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
                                          building.sample_rows(dataset), model_fn,
                                          precision=precision)
     engine.compile_steps(step, model.optimizer)
-    seconds = {kind: [] for kind in input_kinds}
+    seconds: dict[str, list[float]] = {kind: [] for kind in input_kinds}
     for epoch in range(1 + windows):
         for kind, (train, _) in sources.items():
             start = time.perf_counter()

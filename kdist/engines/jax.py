@@ -63,6 +63,7 @@ class Engine:
     version = jax.__version__
 
     def __init__(self, replicas=None, distributed=True):
+        self.distribution: keras.distribution.DataParallel | None
         if distributed:
             self.distribution = keras.distribution.DataParallel(
                 devices=_replica_devices(replicas))

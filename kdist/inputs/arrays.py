@@ -37,12 +37,12 @@ class Dataset:
     train_sample_weight: np.ndarray | None = None
     test_sample_weight: np.ndarray | None = None
 
-    def split(self, name):
+    def split(self, name: str) -> tuple[Any, Any, np.ndarray | None]:
         """(x, y, sample_weight) of split "train" or "test"."""
         return (getattr(self, f"{name}_x"), getattr(self, f"{name}_y"),
                 getattr(self, f"{name}_sample_weight"))
 
-    def size(self, name):
+    def size(self, name: str) -> int:
         """The examples of split "train" or "test"."""
         return num_examples(getattr(self, f"{name}_x"))
 

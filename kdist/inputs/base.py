@@ -20,7 +20,7 @@ batch by batch (`BatchCheck`).
 
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -82,6 +82,9 @@ def steps_per_epoch(num_examples, global_batch_size, limit=None):
 
 class SizedSource:
     """A source that knows its number of examples (`size`): its steps follow."""
+
+    if TYPE_CHECKING:
+        def size(self) -> int: ...  # Each subclass's.
 
     def steps_per_epoch(self, global_batch, limit=None):
         return steps_per_epoch(self.size(), global_batch, limit)

@@ -30,6 +30,8 @@ Infinite pipelines (`repeat()`) are refused: an epoch is one pass over the data.
 import inspect
 import sys
 import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
 
 from kdist import tree
 from kdist.errors import DataError
@@ -50,7 +52,11 @@ class _StreamSource:
         self.check = base.BatchCheck(what)
         self._first = None
 
-    def size(self):
+    if TYPE_CHECKING:
+        def _open(self, epoch: int | None, skip: int, global_batch: int | None
+                  ) -> tuple[Iterator, int]: ...  # Each subclass's.
+
+    def size(self) -> int | None:
         return None
 
     def sample(self, rows=2):
@@ -81,7 +87,8 @@ class _StreamSource:
         def slices():
             skip = start_step * global_batch
             batches, skipped = self._open(epoch, skip, global_batch)
-            first = skipped // getattr(self, "batch", None) if skipped else 0
+            # Only a source of static batches (`batch`) skips whole batches itself.
+            first = skipped // cast(int, getattr(self, "batch", None)) if skipped else 0
             pairs = base.drop_rows(self._checked(batches, first), skip - skipped)
             yield from base.train_slices(base.cut(pairs, global_batch), global_batch,
                                            start_step, limit, shard, self.what)
@@ -129,7 +136,9 @@ class TfDataSource(_StreamSource):
         self._read_as = {}  # Global batch -> the dataset read (`_for_reading`), made once.
 
     def size(self):
-        return None if None in (self.batch, self.batches) else self.batch * self.batches
+        if self.batch is None or self.batches is None:
+            return None
+        return self.batch * self.batches
 
     def _open(self, epoch, skip, global_batch):
         """(An iterator over epoch `epoch`'s batches, the rows it skipped): the

@@ -11,6 +11,8 @@ one (`num_batches` None), is refused: an epoch is one pass over the data.
 `kdist.inputs.grainsource` reads a Grain `MapDataset` the same way.
 """
 
+from typing import Any
+
 import numpy as np
 
 from kdist import tree
@@ -41,7 +43,8 @@ class PyDatasetSource(base.SizedSource):
             self._get(count - 1, 0), count - 1)
         self.sizes = np.full(count, self.batch, np.int64)
         self.sizes[-1] = last[1]
-        self._cached = (None, None)
+        # ((epoch, index), batch) of the batch read last.
+        self._cached: tuple[tuple[int, int] | None, Any] = (None, None)
 
     def _count(self):
         """The batches of an epoch; DataError if unknown or infinite."""

@@ -35,9 +35,10 @@ def prepare(dataset, splits=("train", "test")):
         given = getattr(dataset, split)
         if given is None and split in splits:
             raise UsageError(f"kdist.Inputs has no {split} data; pass {split}=...")
-        sources[split] = None if given is None else source_for(given, split)
-        if sources[split] is not None:
-            sources[split].sample(1)  # Reads the first batch: an empty or bad one fails now.
+        source = None if given is None else source_for(given, split)
+        if source is not None:
+            source.sample(1)  # Reads the first batch: an empty or bad one fails now.
+        sources[split] = source
     kinds = ", ".join(f"{s} {v.kind}" for s, v in sources.items() if v is not None)
     return base.Prepared(sources["train"], sources["test"], dataset.source or kinds)
 

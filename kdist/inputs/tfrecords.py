@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable
+from typing import Any, cast
 
 import numpy as np
 
@@ -66,7 +67,8 @@ def write_files(folder, split, chunks, count):
     import tensorflow as tf
 
     os.makedirs(folder, exist_ok=True)
-    files, spec = [], None
+    files: list[dict[str, Any]] = []
+    spec: dict[str, str] | None = None
     for index, (x, y) in enumerate(chunks):
         x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
         spec = spec or {"x": _spec(x), "y": _spec(y)}
@@ -82,7 +84,7 @@ def write_files(folder, split, chunks, count):
         files.append({"file": name, "examples": len(x)})
     path = os.path.join(folder, INDEX)
     index = json.load(open(path)) if os.path.exists(path) else {"splits": {}}
-    index["splits"][split] = dict(spec, files=files)
+    index["splits"][split] = dict(cast(dict, spec), files=files)  # No chunk: a TypeError.
     with open(path + ".tmp", "w") as f:
         json.dump(index, f, indent=1)
     os.replace(path + ".tmp", path)
@@ -96,8 +98,9 @@ def fashion_mnist(folder):
     if not os.path.isfile(path):
         raise UsageError(f"--tfrecords {folder} has no {INDEX}; write the files first: "
                          f"python scripts/write_tfrecords.py {folder}")
-    return base.Inputs(*(TFRecords(folder, split, transform=scale_images)
-                           for split in ("train", "test")), source=os.path.abspath(folder))
+    train, test = (TFRecords(folder, split, transform=scale_images)
+                   for split in ("train", "test"))
+    return base.Inputs(train, test, source=os.path.abspath(folder))
 
 
 def scale_images(x, y):

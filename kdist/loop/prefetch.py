@@ -14,6 +14,7 @@ where it happened.
 
 import queue
 import threading
+from typing import Any
 
 _END = object()
 
@@ -28,7 +29,7 @@ class Prefetched:
     """
 
     def __init__(self, iterable, depth=1):
-        self._items = queue.Queue(depth)
+        self._items: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(depth)
         self._closing = threading.Event()
         self._thread = threading.Thread(target=self._produce, args=(iterable,),
                                         name="kdist-prefetch", daemon=True)

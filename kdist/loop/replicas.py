@@ -137,7 +137,7 @@ def _supervise(processes, pipes, log, stop, forwarded=False):
             for pipe in connection.wait(list(open_pipes.values()), timeout=0.05):
                 rank = next(r for r, p in open_pipes.items() if p is pipe)
                 try:
-                    kind, value = pipe.recv()
+                    kind, value = open_pipes[rank].recv()
                 except EOFError:  # The process closed it: it is ending.
                     del open_pipes[rank]
                     continue

@@ -133,10 +133,12 @@ class MetricsWriter:
     def _csv_line(self, record):
         """The CSV row of `record`; the header row for None."""
         buffer = io.StringIO()
-        values = None if record is None else record.as_dict()
-        csv.writer(buffer).writerow(self.csv_columns if record is None else
-                                    [record.epoch - 1] +
-                                    [values.get(k) for k in self.csv_columns[1:]])
+        if record is None:
+            csv.writer(buffer).writerow(self.csv_columns)
+        else:
+            values = record.as_dict()
+            csv.writer(buffer).writerow([record.epoch - 1] +
+                                        [values.get(k) for k in self.csv_columns[1:]])
         return buffer.getvalue()
 
     def _append(self, path, text):

@@ -57,7 +57,7 @@ class Worker:
 
     def __init__(self, index, command, env):
         self.index = index
-        self.last = collections.deque(maxlen=LAST_LINES)
+        self.last: collections.deque[str] = collections.deque(maxlen=LAST_LINES)
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, text=True, env=env,
                                      start_new_session=True)  # Signals come from us only.
@@ -65,6 +65,7 @@ class Worker:
         self.reader.start()
 
     def _pump(self):
+        assert self.proc.stdout is not None  # stdout=PIPE.
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             self.last.append(line)
