@@ -5,7 +5,8 @@ Each `TrainConfig` field carries its command-line help in its metadata
 dashes, or None where the field has no flag), so `kdist.cli` derives the
 train flags from the fields; other callers (`evaluate_checkpoint`,
 `kdist.bench.measure`) take their defaults from `TrainConfig`'s class attributes.
-`OPTIMIZERS` is the registry behind `--optimizer`.
+`OPTIMIZERS` is the registry behind `--optimizer`, `DEFAULT_LEARNING_RATE` their
+learning rate where a run sets none.
 
 Importing this module imports no framework: the command line builds its
 parser from it before TensorFlow or JAX load (the optimizers import Keras
@@ -17,11 +18,7 @@ import dataclasses
 from kdist import checks
 from kdist.precision import DEFAULT_PRECISION, PRECISIONS
 
-BENCH_WINDOWS = 4  # Steady epochs `kdist.bench.measure` times after the first.
-# How kdist-bench feeds kdist (`--input`): the arrays, or the same arrays through a pipeline.
-BENCH_INPUTS = ("numpy", "tfdata", "pydataset", "grain")
-# kdist-bench --model's choices (`kdist.bench.measure.MODELS`).
-BENCH_MODELS = ("cnn", "cnn-stock", "resnet20")
+DEFAULT_LEARNING_RATE = 1e-3  # Of the optimizers kdist builds (--optimizer).
 
 
 def _setting(default, help, flag="", choices=None):
@@ -41,7 +38,7 @@ class TrainConfig:
     batch_size_per_replica: int = _setting(
         64, "examples per replica per step; the global batch is this times the replica count")
     learning_rate: float | None = _setting(
-        None, "learning rate of --optimizer (default 0.001); for a model compiled in "
+        None, f"learning rate of --optimizer (default {DEFAULT_LEARNING_RATE:g}); for a model compiled in "
               "model_fn, None: its optimizer has its own")
     replicas: int | None = _setting(
         None, "data-parallel replicas (default: every visible device; on a CPU-only machine "

@@ -24,8 +24,7 @@ with startup.native_logs_silenced():  # The frameworks' start-up notices.
     if importlib.util.find_spec("tensorflow"):  # For --kinds tfdata, on any backend.
         import tensorflow  # noqa: F401
 
-    from kdist import config
-    from kdist.bench import input_kinds
+    from kdist.bench import choices, input_kinds
     from kdist.cli.flags import names, positive
 
 
@@ -39,7 +38,7 @@ def epoch_cost(source, batch, epoch):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", type=names(config.BENCH_INPUTS), default=config.BENCH_INPUTS,
+    parser.add_argument("--kinds", type=names(choices.INPUTS), default=choices.INPUTS,
                         help="the input kinds, separated by commas (default: all)")
     parser.add_argument("--batch", type=positive(int), default=64, help="rows per batch")
     parser.add_argument("--epochs", type=positive(int), default=2, help="epochs per kind")

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from kdist import config
+from kdist.bench import choices, measure
 from kdist.bench import command as bench_cli
-from kdist.bench import measure
 from kdist.bench import workers as workerbench
 
 MINE = dict(samples_per_sec=1000.4, first_epoch_seconds=2.345, eval_seconds=0.5,
@@ -22,7 +21,7 @@ def test_the_models_are_the_flags_choices():
     parser = argparse.ArgumentParser()
     bench_cli._add_bench_choices(parser)
     action = next(a for a in parser._actions if a.dest == "model")
-    assert tuple(measure.MODELS) == tuple(action.choices) == config.BENCH_MODELS
+    assert tuple(measure.MODELS) == tuple(action.choices) == choices.MODELS
     assert action.default == "cnn"
 
 

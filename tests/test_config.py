@@ -10,6 +10,7 @@ from conftest import REPO
 
 import kdist
 from kdist import checkpoints, config, engines, errors
+from kdist.bench import choices
 from kdist.bench import command as bench_cli
 from kdist.checkpoints import ckptfile, runlock
 from kdist.cli import evaluate as evaluate_cli
@@ -54,7 +55,7 @@ def test_optimizer_choices_and_other_defaults_come_from_one_place():
     assert training.evaluate_checkpoint.__defaults__[-2:] == (batch, spe)
     from kdist.bench import measure
 
-    assert measure.run.__defaults__[1:] == (batch, None, config.BENCH_WINDOWS, spe, print)
+    assert measure.run.__defaults__[1:] == (batch, None, choices.WINDOWS, spe, print)
 
 
 def test_one_backend_registry_and_message(monkeypatch):
@@ -114,7 +115,8 @@ def test_each_main_maps_each_error_to_its_exit_status(command, body, error, stat
 
 
 def test_the_config_errors_and_cli_modules_load_no_framework():
-    code = ("import sys, kdist, kdist.cli, kdist.config, kdist.errors; kdist.TrainConfig(); "
+    code = ("import sys, kdist, kdist.cli.train, kdist.cli.evaluate, kdist.cli.launch, "
+            "kdist.bench.command, kdist.config, kdist.errors; kdist.TrainConfig(); "
             "kdist.KdistError; kdist.cli.train.train_parser(); "
             "print(sorted(m for m in ('keras', 'tensorflow', 'jax', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -147,6 +147,7 @@ def test_workers_slices_make_the_global_batch_and_share_the_tail(kind):
     if kind == "tf.data":
         given = given()
     source = sources.source_for(given, "test")
+    assert isinstance(source, base.Source)  # The interface every kind shares.
     one = list(source.evaluate(40))
     two = [list(source.evaluate(40, shard=(i, 2))) for i in range(2)]
     assert [whole for _, whole in one] == [False] * 25 + [True]
@@ -163,6 +164,7 @@ def test_workers_slices_make_the_global_batch_and_share_the_tail(kind):
 def check_evaluation_shards(source, x):
     """`source`'s evaluation of `x` (1,001 examples) in global batches of 40: 25 full
     ones, each two workers' slices, then 1 example whole on every worker."""
+    assert isinstance(source, base.Source)  # The interface every kind shares.
     one = list(source.evaluate(40))
     halves = [list(source.evaluate(40, shard=(i, 2))) for i in range(2)]
     assert [whole for _, whole in one] == [False] * 25 + [True]

@@ -4,6 +4,7 @@ import argparse
 import importlib.util
 
 from kdist import config, errors
+from kdist.bench import choices
 from kdist.cli import common
 from kdist.cli.flags import add_config_flags, names, positive
 
@@ -18,7 +19,7 @@ def main(argv=None):
     add_config_flags(parser, ["batch_size_per_replica", "replicas", "steps_per_execution"])
     parser.add_argument("--steps", type=positive(int), default=None,
                         help="steps per timed epoch (default: a whole epoch)")
-    parser.add_argument("--windows", type=positive(int), default=config.BENCH_WINDOWS,
+    parser.add_argument("--windows", type=positive(int), default=choices.WINDOWS,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
     parser.add_argument("--precision", type=names(config.PRECISIONS),
@@ -34,17 +35,17 @@ def main(argv=None):
 
 
 def _add_bench_choices(parser):
-    parser.add_argument("--model", choices=config.BENCH_MODELS, default=config.BENCH_MODELS[0],
+    parser.add_argument("--model", choices=choices.MODELS, default=choices.MODELS[0],
                         help="the network: the tutorial CNN; the same with Keras' stock "
                              "Conv2D and MaxPooling2D (cnn-stock: what kdist's JAX layers "
                              "gain); or ResNet-20 on synthetic 32x32x3 images of 10 classes "
                              "(--data-dir and --synthetic apply to the CNNs only) "
                              "(default: %(default)s)")
-    parser.add_argument("--input", type=names(config.BENCH_INPUTS), default=("numpy",),
+    parser.add_argument("--input", type=names(choices.INPUTS), default=("numpy",),
                         metavar="I[,I...]",
                         help="how kdist is fed the same arrays, each one table row: "
                         "directly or through tf.data, a PyDataset or Grain "
-                        f"({', '.join(config.BENCH_INPUTS)}), or several separated by "
+                        f"({', '.join(choices.INPUTS)}), or several separated by "
                         "commas, measured in turn in this process; fit always takes the "
                         "arrays (default: numpy)")
     parser.add_argument("--no-fit", dest="fit", action="store_false",

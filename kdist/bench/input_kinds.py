@@ -16,7 +16,7 @@ from kdist.inputs.arrays import ArraySource
 
 def input_source(kind, arrays, global_batch, split):
     """The kdist source (`kdist.inputs`) of split `split`'s arrays (x, y,
-    sample_weight) given as `kind` (one of `kdist.config.BENCH_INPUTS`), in batches of
+    sample_weight) given as `kind` (one of `kdist.choices.INPUTS`), in batches of
     `global_batch`.
 
     Every pipeline does per batch what the NumPy path does: it gathers the

@@ -34,9 +34,9 @@ import time
 import keras
 
 from kdist import engines
-from kdist.bench import cpuinfo
+from kdist.bench import choices, cpuinfo
 from kdist.bench.input_kinds import input_source
-from kdist.config import BENCH_WINDOWS, TrainConfig
+from kdist.config import DEFAULT_LEARNING_RATE, TrainConfig, adam
 from kdist.errors import UsageError
 from kdist.inputs import base
 from kdist.loop import building
@@ -46,7 +46,7 @@ from kdist.models import resnet
 from kdist.models.cnn import create_model
 from kdist.precision import DEFAULT_PRECISION, check_precision, policy
 
-# --model's choices (`kdist.config.BENCH_MODELS`): name -> the function building it.
+# --model's choices (`kdist.choices.MODELS`): name -> the function building it.
 # cnn-stock is the CNN with Keras' own layers, to weigh `kdist.models.cnn`'s JAX formulations.
 MODELS = {"cnn": create_model, "cnn-stock": functools.partial(create_model, fast_layers=False),
           "resnet20": resnet.create_resnet20}
@@ -128,7 +128,7 @@ def measure_fit(engine, dataset, global_batch, steps, windows, precision=DEFAULT
     keras.utils.set_random_seed(0)
     with engine.scope(), policy(precision):  # mixed_float16: compile adds loss scaling.
         model = model_fn()
-        model.compile(optimizer=keras.optimizers.Adam(1e-3),
+        model.compile(optimizer=adam(DEFAULT_LEARNING_RATE),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
     count = steps * global_batch
@@ -152,7 +152,7 @@ def _time_twice(fn):
 
 
 def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_per_replica,
-        steps=None, windows=BENCH_WINDOWS, steps_per_execution=TrainConfig.steps_per_execution,
+        steps=None, windows=choices.WINDOWS, steps_per_execution=TrainConfig.steps_per_execution,
         log=print, *, precisions=(DEFAULT_PRECISION,), input_kinds=("numpy",), model="cnn",
         fit=True, measure_peak=True, stop=None):
     """Measures kdist fed by each of `input_kinds`, then fit, at each of

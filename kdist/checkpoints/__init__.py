@@ -30,6 +30,7 @@ import tempfile
 import warnings
 
 from kdist.checkpoints import ckptfile, runlock
+from kdist.config import TrainConfig
 from kdist.errors import CheckpointError
 
 FORMAT = ckptfile.FORMAT
@@ -74,7 +75,7 @@ def _reason(error):
 class CheckpointManager:
     """Saves, lists, prunes and restores the checkpoints of one folder."""
 
-    def __init__(self, directory, keep=3):
+    def __init__(self, directory, keep=TrainConfig.keep):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
         self.directory = directory

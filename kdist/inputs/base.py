@@ -20,7 +20,7 @@ batch by batch (`BatchCheck`).
 
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -78,6 +78,47 @@ def steps_per_epoch(num_examples, global_batch_size, limit=None):
     """Full global batches per epoch, capped by `limit` (like `fit`'s steps_per_epoch)."""
     steps = num_examples // global_batch_size
     return steps if limit is None else min(steps, limit)
+
+
+Batch = tuple[Any, Any, Any]
+"""(x, y, sample_weight): x and y an array or a tuple, list or dict of arrays,
+sample_weight an array of shape (N,) or None."""
+
+
+@runtime_checkable
+class Source(Protocol):
+    """What the loop reads any input through, on every backend (the module's
+    docstring says what each member returns). `kdist.inputs.sources.source_for`
+    picks the kind's class; every input kind implements this."""
+
+    kind: str
+    """The input kind, for the banner ("NumPy arrays", "tf.data.Dataset", ...)."""
+
+    def size(self) -> int | None:
+        """The examples of the split, or None where only reading everything would tell."""
+        ...
+
+    def sample(self, rows: int = 2) -> Batch:
+        """The first `rows` examples, which build the compiled loss and metrics."""
+        ...
+
+    def steps_per_epoch(self, global_batch: int, limit: int | None = None) -> int | None:
+        """Full global batches per epoch, capped by `limit`; None where unknown."""
+        ...
+
+    def eval_steps(self, global_batch: int) -> int | None:
+        """Full global batches of an evaluation pass; None where unknown."""
+        ...
+
+    def train(self, global_batch: int, *, seed: int, epoch: int, start_step: int = 0,
+              limit: int | None = None, shard: tuple[int, int] = (0, 1)) -> "Stream":
+        """This worker's slices of the epoch's full global batches, from `start_step` on."""
+        ...
+
+    def evaluate(self, global_batch: int, shard: tuple[int, int] = (0, 1)) -> "Stream":
+        """(batch, whole) pairs: this worker's slices of the full global batches, then
+        the rest, whole, as one smaller batch."""
+        ...
 
 
 class SizedSource:

@@ -10,6 +10,8 @@ source: `kdist.inputs.arrays`, `pipelines` (tf.data and functions),
 """
 
 
+from typing import Any
+
 import numpy as np
 
 from kdist import tree
@@ -43,7 +45,7 @@ def prepare(dataset, splits=("train", "test")):
     return base.Prepared(sources["train"], sources["test"], dataset.source or kinds)
 
 
-def source_for(given, split):
+def source_for(given: Any, split: str) -> base.Source:
     """The source that reads `given`, one split's data (see `Inputs`)."""
     what = f"the {split} data"
     if isinstance(given, tfrecords.TFRecords):

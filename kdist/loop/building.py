@@ -10,15 +10,13 @@ and metrics.
 import numpy as np
 
 from kdist import tree
-from kdist.config import adam
+from kdist.config import DEFAULT_LEARNING_RATE, adam
 from kdist.errors import UsageError
 from kdist.inputs import arrays
 from kdist.models import losses
 from kdist.models.cnn import create_model
 from kdist.precision import policy
 from kdist.step.compiled import Step, build_metrics
-
-DEFAULT_LEARNING_RATE = 1e-3  # Of the optimizers kdist builds (--optimizer).
 
 
 def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
