@@ -7,8 +7,9 @@ kdist modules with `ast` (at the top and inside functions alike), then prints:
   above the highest module it imports (cycles are condensed first);
 - every import cycle (a strongly connected group of modules);
 - every import against `LAYERS`, the layer order written below (a lower layer
-  importing a higher one), and every import inside a function that is not
-  a framework deferral.
+  importing a higher one), and every import of a kdist module inside a
+  function (in kdist, each defers a framework or NumPy until a command has
+  read its flags or a child process has set its environment).
 
 Exits 1 if there is a cycle or an import against the layers, so the `lint`
 session of noxfile.py fails on either. Imports no framework.

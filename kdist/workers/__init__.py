@@ -1,3 +1,3 @@
 """Processes and workers: which workers take part (`cluster`), starting and
-supervising processes (`processes`), one process per replica (`replicas`) and
-the stop every worker agrees on (`interrupt`). Imports no framework."""
+supervising processes (`processes`) and the stop every worker agrees on
+(`interrupt`). Imports no framework."""
