@@ -8,6 +8,7 @@ import importlib
 
 import keras
 
+from kdist.engines import contract
 from kdist.errors import UsageError  # noqa: F401 (the engines raise it)
 from kdist.runtime.startup import BACKENDS, check_backend  # noqa: F401 (one registry, in startup)
 
@@ -18,7 +19,7 @@ def _backend_module():
     return importlib.import_module(f"kdist.engines.{backend}")
 
 
-def create_engine(replicas=None, distributed=True):
+def create_engine(replicas: int | None = None, distributed: bool = True) -> contract.Engine:
     """The engine of the active Keras backend (`KERAS_BACKEND`)."""
     return _backend_module().Engine(replicas=replicas, distributed=distributed)
 

@@ -28,11 +28,27 @@ per key, an array whose first axis holds the `num_steps` steps' values
 the engine sets `skipped` to `kdist.step.optimizer.skipped(optimizer, summed
 gradients)`, counted once per step whatever the replica count.
 
-`tests/test_engines.py` checks every installed engine against this class.
+Each engine's `Engine` class declares this one as its base, so mypy (`nox -s
+lint`) checks its methods' signatures against these. The loop passes every
+argument by position: the parameters here are positional-only, and an engine
+names its own. An engine defines every method itself (the ones here have no
+body). A distributed chunk is the engine's own type (`Any` here): only the
+engine that made it reads it.
 """
 
 import contextlib
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import keras
+
+    from kdist.step.compiled import Step
+
+Batch = tuple[Any, Any, Any]
+"""(x, y, sample_weight) of NumPy arrays: x and y an array or a tuple, list or
+dict of arrays, sample_weight an array or None."""
+Statistics = dict[str, Any]
+"""Per key of `Step.keys`, an array (the framework's or NumPy's)."""
 
 
 @runtime_checkable
@@ -51,17 +67,18 @@ class Engine(Protocol):
     """Replicas over all workers: the global batch is this times the per-replica batch."""
     num_local_replicas: int
     """This process's replicas: a batch it feeds must divide by this."""
-    devices: list
-    """This process's devices, for the banner."""
-    shard: tuple
+    devices: list[str | None]
+    """This process's devices, for the banner (None: the framework's default device)."""
+    shard: tuple[int, int]
     """(worker index, worker count): the slice of every global batch this process feeds."""
     is_chief: bool
     """Whether this process reports and writes checkpoints (worker 0)."""
 
-    def scope(self) -> contextlib.AbstractContextManager:
+    def scope(self) -> contextlib.AbstractContextManager[Any]:
         """The context in which the model, optimizer and variables must be created."""
 
-    def compile_steps(self, step: Any, optimizer: Any) -> None:
+    def compile_steps(self, step: "Step", optimizer: "keras.optimizers.Optimizer | None",
+                      /) -> None:
         """Builds the train and eval chunk functions of `step`, a `kdist.step.compiled.Step`.
 
         `optimizer` (None for evaluation only) must already be built. Each
@@ -76,19 +93,19 @@ class Engine(Protocol):
         every replica alike).
         """
 
-    def distribute(self, stacked: tuple) -> Any:
+    def distribute(self, stacked: Batch, /) -> Any:
         """Places a stacked chunk, a structure of NumPy arrays of shape (K, local
         batch, ...), on this process's replicas, split along the batch axis.
 
         Called on the loop's background thread (`kdist.loop.prefetch`), one chunk
         ahead, while a compiled call runs: it must not run a collective."""
 
-    def train_chunk(self, chunk: Any, num_steps: int) -> dict:
+    def train_chunk(self, chunk: Any, num_steps: int, /) -> Statistics:
         """Runs the first `num_steps` optimizer steps of a distributed chunk in
         one compiled call; returns each step's summed statistics. Returns only
         when every device is done."""
 
-    def eval_chunk(self, chunk: Any, num_steps: int) -> dict:
+    def eval_chunk(self, chunk: Any, num_steps: int, /) -> Statistics:
         """Like `train_chunk`, in inference mode and without updating anything.
 
         With an optimizer compiled with `use_ema=True`, the model is
@@ -96,7 +113,7 @@ class Engine(Protocol):
         trainable weights (`kdist.step.optimizer.ema_variables`), as Keras' `fit`
         leaves the model at its end."""
 
-    def eval_whole(self, batch: tuple) -> dict:
+    def eval_whole(self, batch: Batch, /) -> Statistics:
         """Evaluates one NumPy batch of any size (the examples after an evaluation
         set's last full global batch), whole, its statistics counted once
         whatever the replica and worker count; every worker passes the same
@@ -105,7 +122,7 @@ class Engine(Protocol):
     def sync_to_model(self) -> None:
         """Writes the engine's state back into the Keras variables (before a save)."""
 
-    def any_worker(self, flag: bool) -> bool:
+    def any_worker(self, flag: bool, /) -> bool:
         """Whether `flag` is true on any worker: a collective every worker calls at
         the same point of the loop; no communication with one worker."""
 
@@ -113,5 +130,5 @@ class Engine(Protocol):
         """How many train programs have been compiled (traced, on TensorFlow):
         1 for a whole run, whatever its chunks' step counts."""
 
-    def keras_fit_callbacks(self) -> list:
+    def keras_fit_callbacks(self) -> "list[keras.callbacks.Callback]":
         """Callbacks that Keras' own `fit` needs on the same devices (benchmarks)."""

@@ -11,6 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
+from kdist.engines import contract
 from kdist.errors import UsageError
 from kdist.step.optimizer import ema_variables, loss_scale, skipped
 
@@ -46,7 +47,7 @@ def _replica_devices(replicas):
     return devices[:replicas]
 
 
-class Engine:
+class Engine(contract.Engine):
     """Runs kdist's steps as jitted stateless functions over sharded batches.
 
     Variables are replicated on every device; each batch is sharded along

@@ -5,7 +5,7 @@ import os
 
 import tensorflow as tf
 
-from kdist.engines import tf_optimizer
+from kdist.engines import contract, tf_optimizer
 from kdist.errors import UsageError
 from kdist.runtime.startup import split_tensorflow_cpu
 from kdist.step.optimizer import ema_variables, loss_scale, skipped
@@ -55,7 +55,7 @@ def connect(spec, replicas=None):
     _connected = (strategy, spec)
 
 
-class Engine:
+class Engine(contract.Engine):
     """Runs kdist's steps under a MirroredStrategy.
 
     Args:

@@ -15,6 +15,7 @@ import keras
 import torch
 import torch.distributed as dist
 
+from kdist.engines import contract
 from kdist.errors import ReplicaPerProcess, UsageError
 from kdist.step.optimizer import ema_variables, loss_scale, skipped
 from kdist.tree import map_arrays as _map_arrays
@@ -73,7 +74,7 @@ def connected():
     return dist.is_available() and dist.is_initialized()
 
 
-class Engine:
+class Engine(contract.Engine):
     """Runs kdist's steps eagerly, one replica per process.
 
     Args:
