@@ -38,8 +38,8 @@ class TrainConfig:
     batch_size_per_replica: int = _setting(
         64, "examples per replica per step; the global batch is this times the replica count")
     learning_rate: float | None = _setting(
-        None, f"learning rate of --optimizer (default {DEFAULT_LEARNING_RATE:g}); for a model compiled in "
-              "model_fn, None: its optimizer has its own")
+        None, f"learning rate of --optimizer (default {DEFAULT_LEARNING_RATE:g}); for a model "
+              "compiled in model_fn, None: its optimizer has its own")
     replicas: int | None = _setting(
         None, "data-parallel replicas (default: every visible device; on a CPU-only machine "
               "N splits the CPU into N devices; on torch, N processes, which kdist starts)")
