@@ -14,9 +14,14 @@ when called).
 """
 
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from kdist import checks
 from kdist.precision import DEFAULT_PRECISION, PRECISIONS
+
+if TYPE_CHECKING:
+    import keras
 
 DEFAULT_LEARNING_RATE = 1e-3  # Of the optimizers kdist builds (--optimizer).
 
@@ -85,18 +90,19 @@ def flag_name(field):
     return field.metadata.get("flag") or "--" + field.name.replace("_", "-")
 
 
-def adam(learning_rate):
+def adam(learning_rate: float) -> "keras.optimizers.Optimizer":
     import keras  # Here, not above: this module loads before any framework.
 
     return keras.optimizers.Adam(learning_rate)
 
 
-def sgd(learning_rate):
+def sgd(learning_rate: float) -> "keras.optimizers.Optimizer":
     """Plain SGD: its step is linear in the gradient, so tests can compare runs exactly."""
     import keras
 
     return keras.optimizers.SGD(learning_rate)
 
 
-OPTIMIZERS = {"adam": adam, "sgd": sgd}  # --optimizer's choices; the first is the default.
+# --optimizer's choices; the first is the default.
+OPTIMIZERS: dict[str, Callable[[float], "keras.optimizers.Optimizer"]] = {"adam": adam, "sgd": sgd}
 DEFAULT_OPTIMIZER = next(iter(OPTIMIZERS))

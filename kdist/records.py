@@ -6,8 +6,11 @@ holds a `Position` (`as_metadata` / `from_metadata`), the metrics files and
 """
 
 import dataclasses
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,14 +18,14 @@ class EpochRecord:
     """One epoch's results: "loss" and each metric by its Keras name, for train and test."""
 
     epoch: int  # Counted from 1.
-    train: dict
-    test: dict
+    train: dict[str, float]
+    test: dict[str, float]
     seconds: float | None  # Its training time; None if all of it was trained before a resume.
     samples_per_sec: float | None
     # Train steps the optimizer skipped (non-finite gradients under dynamic loss scaling).
     skipped_steps: int = 0
 
-    def as_dict(self):
+    def as_dict(self) -> dict[str, Any]:
         """{"epoch", "train_<name>"..., "test_<name>"..., "seconds", "samples_per_sec",
         "skipped_steps"}."""
         return dict(epoch=self.epoch, **{f"train_{k}": v for k, v in self.train.items()},
@@ -31,10 +34,10 @@ class EpochRecord:
                     skipped_steps=self.skipped_steps)
 
     @classmethod
-    def from_dict(cls, values):
+    def from_dict(cls, values: Mapping[str, Any]) -> "EpochRecord":
         """The record of `as_dict`; a record written before kdist counted skipped
         steps has none."""
-        def part(prefix):
+        def part(prefix: str) -> dict[str, float]:
             return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
 
         return cls(values["epoch"], part("train_"), part("test_"), values["seconds"],
@@ -47,20 +50,22 @@ class Position:
 
     epoch: int = 0  # The epoch in progress, counted from 0.
     step_in_epoch: int = 0  # Its steps done.
-    totals: dict | None = None  # Their summed statistics (`kdist.loop.chunks`), arrays by key.
-    history: tuple = ()  # The `EpochRecord`s of the epochs done.
+    # Their summed statistics (`kdist.loop.chunks`) by key: arrays, or the lists of a
+    # checkpoint's metadata until the loop checks them against the model's.
+    totals: dict[str, npt.ArrayLike] | None = None
+    history: tuple[EpochRecord, ...] = ()  # The `EpochRecord`s of the epochs done.
 
-    def global_step(self, steps_per_epoch):
+    def global_step(self, steps_per_epoch: int) -> int:
         """The step count that names a checkpoint of this position."""
         return self.epoch * steps_per_epoch + self.step_in_epoch
 
-    def as_metadata(self):
+    def as_metadata(self) -> dict[str, Any]:
         totals = None if self.totals is None else {
             key: np.asarray(value).tolist() for key, value in self.totals.items()}
         return dict(epoch=self.epoch, step_in_epoch=self.step_in_epoch, totals=totals,
                     history=[record.as_dict() for record in self.history])
 
     @classmethod
-    def from_metadata(cls, meta):
+    def from_metadata(cls, meta: Mapping[str, Any]) -> "Position":
         return cls(meta["epoch"], meta["step_in_epoch"], meta["totals"],
                    tuple(EpochRecord.from_dict(r) for r in meta["history"]))

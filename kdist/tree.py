@@ -1,6 +1,12 @@
 """Nested structures of arrays: a batch's x, y or sample weights as one array or
 a tuple, list or dict of them."""
 
+from typing import TypeAlias
+
+import numpy as np
+
+Arrays: TypeAlias = np.ndarray | tuple["Arrays", ...] | list["Arrays"] | dict[str, "Arrays"]
+"""A NumPy array, or a tuple, list or dict of `Arrays` (x, y or sample weights)."""
 
 
 def map_arrays(fn, *structures):

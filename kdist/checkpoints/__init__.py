@@ -232,7 +232,7 @@ class CheckpointManager:
         return None
 
 
-def latest_checkpoint(directory):
+def latest_checkpoint(directory: str) -> str | None:
     """Path of the newest valid checkpoint in `directory`, or None."""
     latest = CheckpointManager(directory).latest()
     return latest[0] if latest else None

@@ -84,7 +84,7 @@ def read_idx(path, kind):
     return np.frombuffer(raw, np.uint8, offset=header_size).reshape(dims)
 
 
-def load_from_directory(directory):
+def load_from_directory(directory: str) -> Dataset:
     """Loads the four IDX files of `directory` into a `Dataset`."""
     arrays = {}
     for key, name in FILES.items():
@@ -98,7 +98,7 @@ def load_from_directory(directory):
     return _normalise(arrays, source=os.path.abspath(directory))
 
 
-def _normalise(arrays, source):
+def _normalise(arrays: dict[str, np.ndarray], source: str) -> Dataset:
     def images(a):
         return (a.astype(np.float32) / np.float32(255.0))[..., None]
 
@@ -111,7 +111,7 @@ def _normalise(arrays, source):
     )
 
 
-def load_fashion_mnist(data_dir=None):
+def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
     """Finds Fashion-MNIST offline first, and downloads it only as a last resort.
 
     Order: `data_dir` (if given, it must be a folder holding all four files, else
@@ -141,7 +141,8 @@ def load_fashion_mnist(data_dir=None):
     return _normalise(arrays, source=keras_cache_dir() + " (downloaded)")
 
 
-def synthetic_fashion_mnist(num_train=FASHION_MNIST_TRAIN, num_test=None, seed=0):
+def synthetic_fashion_mnist(num_train: int = FASHION_MNIST_TRAIN, num_test: int | None = None,
+                            seed: int = 0) -> Dataset:
     """Random data of Fashion-MNIST's shapes that a CNN can partly learn
     (`synthetic_images`); `num_test` None: a sixth of `num_train` (at least 1),
     Fashion-MNIST's 10,000 for its 60,000."""

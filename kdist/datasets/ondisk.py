@@ -15,7 +15,7 @@ def fashion_mnist_uint8(data_dir=None):
     """((x, y) train, (x, y) test): Fashion-MNIST's uint8 pixels (N, 28, 28, 1)
     and int32 labels (found as `kdist.load_fashion_mnist` finds them)."""
     loaded = fashion_mnist.load_fashion_mnist(data_dir)
-    return [(np.round(x * 255).astype(np.uint8), y)  # Undoes its exact / 255.
+    return [(np.round(np.asarray(x) * 255).astype(np.uint8), y)  # Undoes its exact / 255.
             for x, y, _ in (loaded.split("train"), loaded.split("test"))]
 
 

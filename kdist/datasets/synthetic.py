@@ -7,7 +7,8 @@ from kdist.inputs.arrays import Dataset
 NUM_CLASSES = 10  # Of the generated sets, unless asked otherwise.
 
 
-def synthetic_images(num_train, num_test, seed, image_shape, num_classes=NUM_CLASSES):
+def synthetic_images(num_train: int, num_test: int, seed: int, image_shape: tuple[int, ...],
+                     num_classes: int = NUM_CLASSES) -> Dataset:
     """Random images of `image_shape` in [0, 1] and integer labels below `num_classes`.
 
     Each class is a faint random template under heavy noise, so accuracy

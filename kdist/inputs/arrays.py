@@ -11,13 +11,12 @@ batch, never padded, so every metric counts each example once.
 """
 
 import dataclasses
-from typing import Any
 
 import numpy as np
 
 from kdist.errors import DataError
 from kdist.inputs.base import SizedSource, Stream, eval_steps
-from kdist.tree import leaves, num_examples, take_rows
+from kdist.tree import Arrays, leaves, num_examples, take_rows
 
 
 @dataclasses.dataclass
@@ -29,15 +28,15 @@ class Dataset:
     weights are optional arrays of shape (N,).
     """
 
-    train_x: Any
-    train_y: Any
-    test_x: Any
-    test_y: Any
+    train_x: Arrays
+    train_y: Arrays
+    test_x: Arrays
+    test_y: Arrays
     source: str = "arrays in memory"
     train_sample_weight: np.ndarray | None = None
     test_sample_weight: np.ndarray | None = None
 
-    def split(self, name: str) -> tuple[Any, Any, np.ndarray | None]:
+    def split(self, name: str) -> tuple[Arrays, Arrays, np.ndarray | None]:
         """(x, y, sample_weight) of split "train" or "test"."""
         return (getattr(self, f"{name}_x"), getattr(self, f"{name}_y"),
                 getattr(self, f"{name}_sample_weight"))

@@ -118,7 +118,7 @@ class TFRecords:
     folder: str
     split: str = "train"
     shuffle_buffer: int = 10_000
-    transform: Callable | None = None
+    transform: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
 
 class TFRecordSource:

@@ -11,21 +11,28 @@ import dataclasses
 import math
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 import keras
 
 from kdist import checkpoints, checks, engines, records
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
-from kdist.inputs import pipelines, sources
+from kdist.inputs import arrays, base, pipelines, sources
 from kdist.loop import building, replicas, reporting
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
 from kdist.models.cnn import create_model
 from kdist.workers import interrupt
 
 
-def train_and_evaluate(config, dataset, model_fn=create_model, optimizer_fn=None,
-                       loss_fn=None, compute_loss=None, log=print, stop=None):
+def train_and_evaluate(
+        config: TrainConfig, dataset: arrays.Dataset | base.Inputs,
+        model_fn: Callable[[], keras.Model] = create_model,
+        optimizer_fn: Callable[[float], keras.optimizers.Optimizer] | None = None,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+        compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
+        log: Callable[[str], object] = print, stop: object = None) -> dict[str, Any]:
     """Trains data-parallel, checkpoints, restores without distribution, evaluates.
 
     Args:
@@ -264,10 +271,14 @@ def _step_callback(config, step, epoch, first_step, steps_per_epoch, global_batc
     return on_step
 
 
-def evaluate_checkpoint(path, dataset, model_fn=create_model, loss_fn=None, compute_loss=None,
-                        batch_size=TrainConfig.batch_size_per_replica,
-                        steps_per_execution=TrainConfig.steps_per_execution, *,
-                        precision=TrainConfig.precision):
+def evaluate_checkpoint(
+        path: str, dataset: arrays.Dataset | base.Inputs,
+        model_fn: Callable[[], keras.Model] = create_model,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+        compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
+        batch_size: int = TrainConfig.batch_size_per_replica,
+        steps_per_execution: int = TrainConfig.steps_per_execution, *,
+        precision: str = TrainConfig.precision) -> dict[str, Any]:
     """Restores `path` into a fresh model with no distribution and evaluates it.
 
     The model is built under dtype policy `precision` (`kdist.precision`):
@@ -276,13 +287,13 @@ def evaluate_checkpoint(path, dataset, model_fn=create_model, loss_fn=None, comp
     test data is read). Returns {"restored": True, "checkpoint": path, "test_loss":
     ..., and test_ each metric}.
     """
-    dataset = sources.prepare(dataset, splits=("test",))
+    prepared = sources.prepare(dataset, splits=("test",))
     engine = engines.create_engine(distributed=False)
-    model, step = building.prepare_model(engine, batch_size, building.sample_rows(dataset),
+    model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
                                          model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
                                          train=False, precision=precision)
     checkpoints.restore(model, path)
-    building.check_labels(dataset, model, splits=("test",))
+    building.check_labels(prepared, model, splits=("test",))
     engine.compile_steps(step, model.optimizer)
-    results = evaluate_source(engine, step, dataset.test, batch_size, steps_per_execution)
+    results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution)
     return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})

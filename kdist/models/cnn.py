@@ -56,7 +56,7 @@ class Conv2D(keras.layers.Conv2D):
         return self.activation(outputs) if self.activation is not None else outputs
 
 
-def create_model(num_classes=10, fast_layers=True):
+def create_model(num_classes: int = 10, fast_layers: bool = True) -> keras.Model:
     """Conv2D(32,3,relu)-MaxPool-Conv2D(64,3,relu)-MaxPool-Flatten-Dense(64,relu)-Dense(10).
 
     `fast_layers` False builds it from Keras' stock Conv2D and MaxPooling2D,

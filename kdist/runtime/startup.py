@@ -64,7 +64,7 @@ def check_backend(backend):
     return backend
 
 
-def prepare_environment(replicas=None, verbose=False):
+def prepare_environment(replicas: int | None = None, verbose: bool = False) -> None:
     """Sets up this process for a kdist run; call it before Keras loads.
 
     The library works without it; `scripts/train.py` calls it first. Each

@@ -9,6 +9,7 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 
 class StopRequest:
@@ -21,18 +22,18 @@ class StopRequest:
     that never leaves a half-written checkpoint behind).
     """
 
-    def __init__(self):
-        self.signal_name = None
+    def __init__(self) -> None:
+        self.signal_name: str | None = None
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return self.signal_name is not None
 
-    def request(self, signal_name):
+    def request(self, signal_name: str) -> None:
         self.signal_name = signal_name
 
 
 @contextlib.contextmanager
-def stop_on_signals(stop, escalate=True):
+def stop_on_signals(stop: StopRequest, escalate: bool = True) -> Iterator[StopRequest]:
     """Routes SIGINT, SIGTERM and SIGHUP (a closed terminal) to `stop` for the
     duration of the block.
 
