@@ -6,6 +6,32 @@ counts before Keras loads; the other names load their modules on first use.
 """
 
 import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # What type checkers see; at run time `__getattr__` loads each name.
+    from kdist.checkpoints import latest_checkpoint as latest_checkpoint
+    from kdist.config import OPTIMIZERS as OPTIMIZERS
+    from kdist.config import TrainConfig as TrainConfig
+    from kdist.datasets.fashion_mnist import load_fashion_mnist as load_fashion_mnist
+    from kdist.datasets.fashion_mnist import synthetic_fashion_mnist as synthetic_fashion_mnist
+    from kdist.errors import CheckpointError as CheckpointError
+    from kdist.errors import DataError as DataError
+    from kdist.errors import Interrupted as Interrupted
+    from kdist.errors import InvalidCheckpoint as InvalidCheckpoint
+    from kdist.errors import KdistError as KdistError
+    from kdist.errors import LockHeld as LockHeld
+    from kdist.errors import MetricsError as MetricsError
+    from kdist.errors import TrainingError as TrainingError
+    from kdist.errors import UsageError as UsageError
+    from kdist.inputs.arrays import Dataset as Dataset
+    from kdist.inputs.base import Inputs as Inputs
+    from kdist.inputs.tfrecords import TFRecords as TFRecords
+    from kdist.loop.training import evaluate_checkpoint as evaluate_checkpoint
+    from kdist.loop.training import train_and_evaluate as train_and_evaluate
+    from kdist.models.cnn import create_model as create_model
+    from kdist.runtime.startup import prepare_environment as prepare_environment
+    from kdist.workers.interrupt import StopRequest as StopRequest
+    from kdist.workers.interrupt import stop_on_signals as stop_on_signals
 
 __version__ = "0.1.0"
 
@@ -38,7 +64,7 @@ _LAZY = {
 __all__ = sorted(_LAZY)
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'kdist' has no attribute {name!r}")

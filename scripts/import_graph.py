@@ -1,7 +1,8 @@
 """kdist's import graph: its floors, cycles and imports that point up a layer.
 
 `python scripts/import_graph.py [PACKAGE_DIR]` reads every module's imports of
-kdist modules with `ast` (at the top and inside functions alike), then prints:
+kdist modules with `ast` (at the top and inside functions alike; not those under
+`if TYPE_CHECKING:`, which never run), then prints:
 
 - the floors: a module's floor is 0 if it imports no kdist module, else one
   above the highest module it imports (cycles are condensed first);
@@ -64,8 +65,11 @@ def imports(path, module, known):
     tree = ast.parse(open(path).read(), path)
     found = []
 
-    def visit(node, nested):
-        for child in ast.iter_child_nodes(node):
+    def visit(children, nested):
+        for child in children:
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                visit(child.orelse, nested)  # Its body is for type checkers only.
+                continue
             inner = nested or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
             if isinstance(child, ast.Import):
                 found.extend((a.name, child.lineno, inner) for a in child.names
@@ -76,10 +80,16 @@ def imports(path, module, known):
                     target = full if full in known else child.module
                     if target in known:
                         found.append((target, child.lineno, inner))
-            visit(child, inner)
+            visit(ast.iter_child_nodes(child), inner)
 
-    visit(tree, False)
+    visit(ast.iter_child_nodes(tree), False)
     return [(target, line, inner) for target, line, inner in found if target != module]
+
+
+def _is_type_checking(test):
+    """Whether an `if` tests `TYPE_CHECKING` or `typing.TYPE_CHECKING`."""
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING" or
+            isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 def cycles(graph):

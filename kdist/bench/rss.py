@@ -11,6 +11,7 @@ import resource
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import keras
 import numpy as np
@@ -42,6 +43,7 @@ def rss_main(argv=None):
     subprocess.run([sys.executable, "-m", "kdist.cli.write_data", args.folder, "--synthetic",
                     str(examples), "--shards", "16", "--format", args.format], check=True)
     shutil.rmtree(os.path.join(args.folder, "checkpoints"), ignore_errors=True)
+    splits: list[Any]  # Each split's TFRecords, or its (x, y) arrays.
     if args.format == "tfrecord":
         splits = [kdist.TFRecords(args.folder, split) for split in ("train", "test")]
     else:
