@@ -42,3 +42,12 @@ def test_the_active_engine_meets_the_contract_when_used(small_dataset, replicas,
     assert engine.compiled_train_programs() == 1
     engine.sync_to_model()  # The optimizer steps reach the Keras variables.
     assert any(np.abs(a - b).max() > 0 for a, b in zip(initial, model.get_weights()))
+
+
+def test_every_contract_method_is_the_engines_own():
+    """An engine that lacked a method would inherit the Protocol's empty body, which
+    returns None; each must define every method itself."""
+    engine_class = type(engines.create_engine(1, distributed=False))
+    methods = [name for name, value in vars(contract.Engine).items()
+               if callable(value) and not name.startswith("_")]
+    assert methods and [name for name in methods if name not in vars(engine_class)] == []
