@@ -30,7 +30,7 @@ def main(argv=None):
     _add_bench_choices(parser)
     common.add_data_flags(parser, checkpoints=False)
     common.add_multiworker_flags(parser)
-    # Keras' fit raises ValueError for inputs it cannot take; one line, as before.
+    # Keras' fit raises ValueError for inputs it cannot take: one line, as kdist's errors.
     return common.run(parser, argv, _bench, failures=(ValueError,))
 
 

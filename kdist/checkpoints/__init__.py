@@ -248,12 +248,11 @@ def _read_verified(path):
         raise CheckpointError(f"checkpoint {path}: {_reason(e)}") from None
 
 
-def restore(model, path, metadata=None):
+def restore(model, path):
     """Loads checkpoint `path` into `model` (and its compiled optimizer), once verified.
 
     Returns its metadata. Raises `CheckpointError` if it fails verification
-    or was written for another model. `metadata` is accepted for
-    compatibility; the verified file's own is used.
+    or was written for another model.
     """
     data, metadata = _read_verified(path)
     if metadata["signature"] != model_signature(model):

@@ -232,7 +232,7 @@ def _resume_position(config, manager, model, step):
     if latest is None:
         return records.Position(), "starting fresh", None
     path, meta = latest
-    checkpoints.restore(model, path, meta)
+    checkpoints.restore(model, path)
     if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
         model.optimizer.learning_rate.assign(config.learning_rate)
     position = records.Position.from_metadata(meta)

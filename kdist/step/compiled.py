@@ -2,8 +2,8 @@
 
 A `Step` turns a model compiled for Keras `fit` (optimizer, loss, metrics,
 `loss_weights`, the model's own `compute_loss` / `compute_metrics`) into a
-pure function of the variables' values and a batch, which both engines
-call: `loss_and_updates(trainable, non_trainable, batch, training)`. It runs
+pure function of the variables' values and a batch, which every engine
+calls: `loss_and_updates(trainable, non_trainable, batch, training)`. It runs
 inside one `keras.StatelessScope`, so nothing is assigned while it traces;
 the engine differentiates the loss and applies what it returns.
 
