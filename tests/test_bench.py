@@ -12,6 +12,7 @@ from conftest import REPO
 from kdist.bench import choices, measure
 from kdist.bench import command as bench_cli
 from kdist.bench import workers as workerbench
+from kdist.workers.processes import free_ports
 
 MINE = dict(samples_per_sec=1000.4, first_epoch_seconds=2.345, eval_seconds=0.5,
             peak_rss_mb=900.2, epoch_seconds=[2.345, 1.0004, 0.9996], input_ratio=1.0)
@@ -79,7 +80,7 @@ def test_two_bench_workers_train_together_and_only_the_chief_reports(tmp_path, m
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     pins = workerbench.core_groups(os.sched_getaffinity(0), 2) or [None, None]
-    peers = ",".join(f"127.0.0.1:{p}" for p in workerbench.launch.free_ports(2))
+    peers = ",".join(f"127.0.0.1:{p}" for p in free_ports(2))
     # 6,000 examples, 64 per replica: the evaluations of the 1,000 test examples take few steps.
     common = ["--synthetic", "6000", "--batch-size-per-replica", "64", "--steps", "2",
               "--windows", "1", "--steps-per-execution", "2", "--no-peak"]

@@ -15,7 +15,7 @@ from kdist.runtime import memory, startup
 _PREAMBLE = """
 import ctypes, sys
 sys.path.insert(0, {repo!r})
-from kdist import memory
+from kdist.runtime import memory
 
 class MallInfo2(ctypes.Structure):
     _fields_ = [(name, ctypes.c_size_t) for name in (
@@ -160,7 +160,7 @@ def test_selected_backend_agrees_with_keras(tmp_path, monkeypatch):
     (tmp_path / "keras.json").write_text(json.dumps({"backend": backend}))
     env = dict(os.environ, KERAS_HOME=str(tmp_path))
     del env["KERAS_BACKEND"]
-    source = (f"import sys; sys.path.insert(0, {REPO!r}); from kdist import startup; "
+    source = (f"import sys; sys.path.insert(0, {REPO!r}); from kdist.runtime import startup; "
               "chosen = startup.selected_backend(); import keras; "
               "print(chosen, keras.backend.backend())")
     result = subprocess.run([sys.executable, "-c", source], env=env, capture_output=True,
@@ -179,7 +179,7 @@ def test_unsupported_backend_in_keras_json_names_the_file(tmp_path, monkeypatch)
 def test_importing_kdist_and_its_engine_changes_nothing_process_wide():
     source = (f"import importlib, os, sys; sys.path.insert(0, {REPO!r}); "
               "import keras; before = dict(os.environ); "  # Keras sets some itself.
-              "import kdist; from kdist import memory, training; "
+              "import kdist; from kdist.loop import training; from kdist.runtime import memory; "
               "importlib.import_module('kdist.engines.' + keras.backend.backend()); "
               "print(dict(os.environ) == before, memory._listening)")
     result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True,

@@ -49,8 +49,8 @@ from kdist.workers.processes import (
 
 # Run by each pinned process: pin to the CPUs of argv[1], then kdist-bench argv[2:].
 PINNED_BENCH = [sys.executable, "-c",
-                "import sys; from kdist import workerbench; "
-                "sys.exit(workerbench.pinned_bench(sys.argv[1:]))"]
+                "import sys; from kdist.bench import workers; "
+                "sys.exit(workers.pinned_bench(sys.argv[1:]))"]
 # Flags the runs set themselves.
 OWN_FLAGS = ("--replicas", "--peers", "--worker-index", "--workers", "--no-fit")
 

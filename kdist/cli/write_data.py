@@ -44,3 +44,7 @@ def write_main(argv=None):
     write(args.folder, {"test": splits["test"]}, test_shards, args.format)
     print(f"wrote {args.folder} ({args.format})")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(write_main())
