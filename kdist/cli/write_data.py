@@ -5,6 +5,7 @@ written to TFRecord or `.npy` files (`kdist.datasets.ondisk`).
 
 import argparse
 import os
+import sys
 
 import numpy as np
 
