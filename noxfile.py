@@ -19,6 +19,7 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 EXTRAS = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch", "both": "all"}
+ANY_BACKEND_SESSION = "tensorflow"  # Runs the tests marked any_backend too.
 # PyTorch's CPU build, installed before the extras so that they need no other torch:
 # pip takes it from this project's machines (a local file); elsewhere point pip at
 # https://download.pytorch.org/whl/cpu, or PyPI's Linux wheel brings several GB of CUDA.
@@ -36,8 +37,10 @@ def tests(session, backend):
         args = ["-m", "cross_backend"]
     else:
         env = {"KERAS_BACKEND": backend}
-        args = ["-m", "not cross_backend"]
-    session.run("pytest", *args, *session.posargs, env=env)
+        # Tests that depend on no backend (marked any_backend) run in one session only.
+        once = backend == ANY_BACKEND_SESSION
+        args = ["-m", "not cross_backend" if once else "not cross_backend and not any_backend"]
+    session.run("pytest", "--durations=15", *args, *session.posargs, env=env)
 
 
 # Lint and type-check kdist without any framework installed: mypy reads only

@@ -26,6 +26,7 @@ def test_the_largest_seed_trains(tmp_path, small_dataset):
     assert len(result["history"]) == 1
 
 
+@pytest.mark.any_backend  # The loop's chunking, the same for every engine.
 def test_steps_per_execution_is_capped_at_the_epoch_and_the_eval_batches(
         tmp_path, small_dataset, monkeypatch):
     stacked = []

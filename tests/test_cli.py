@@ -252,6 +252,7 @@ def test_full_disk_is_one_error_line_and_the_older_checkpoint_stays(small_tmpfs)
     assert os.listdir(folder) == ["ckpt-00000002.weights.h5"]
 
 
+@pytest.mark.any_backend  # Which checkpoint is read; restoring one: test_checkpoints.py.
 def test_a_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
     from test_checkpoints import damage_weights
 

@@ -10,6 +10,10 @@ from kdist.runtime.startup import UsageError
 from kdist.workers import cluster
 from kdist.workers.processes import free_ports
 
+# Nothing here depends on the backend (which workers take part: flags and environment
+# variables): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 
 def spec(backend="tensorflow", environ=None, **flags):
     return cluster.from_flags_and_env(environ=environ or {}, backend=backend, **flags)

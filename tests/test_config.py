@@ -20,6 +20,9 @@ from kdist.errors import DataError, UsageError
 from kdist.loop import reporting, training
 from kdist.runtime import startup
 
+# Nothing here depends on the backend (settings, flags and exit statuses): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 
 def test_every_train_config_field_is_a_flag_with_the_same_default():
     args = train_cli.train_parser().parse_args([])

@@ -6,6 +6,9 @@ import pytest
 
 from kdist.bench import cpuinfo
 
+# Nothing here depends on the backend (the benchmark's CPU record): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 X86 = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8480+

@@ -11,6 +11,9 @@ from kdist.datasets import fashion_mnist
 from kdist.errors import DataError, UsageError
 from kdist.inputs import arrays
 
+# Nothing here depends on the backend (Fashion-MNIST files and NumPy batching): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 
 def write_idx(path, array, magic, dims=None):
     dims = array.shape if dims is None else dims

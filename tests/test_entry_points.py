@@ -8,6 +8,9 @@ import sysconfig
 
 import pytest
 
+# Nothing here depends on the backend (the installed commands): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 COMMANDS = {
     "kdist-train": ("kdist.cli.train:main", "--checkpoint-dir"),
     "kdist-evaluate": ("kdist.cli.evaluate:main", "Restore the newest checkpoint"),

@@ -19,6 +19,10 @@ from test_multiworker import environment
 
 from kdist.workers.processes import free_ports
 
+# Nothing here depends on the backend (each worker's share of the input; the workers' join
+# is tested per backend in test_multiworker.py): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 WORKER = os.path.join(REPO, "tests", "input_worker.py")
 
 

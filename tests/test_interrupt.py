@@ -7,6 +7,9 @@ import pytest
 
 from kdist.workers import interrupt
 
+# Nothing here depends on the backend (signal handling): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 
 def test_a_second_signal_ends_a_process_that_escalates():
     stop = interrupt.StopRequest()

@@ -11,6 +11,9 @@ from kdist import checkpoints, records
 from kdist.loop import reporting
 from kdist.runtime.startup import UsageError
 
+# Nothing here depends on the backend (the metrics files and epoch lines): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 
 def json_lines(path):
     return [json.loads(line) for line in open(path)]

@@ -10,6 +10,9 @@ import pytest
 from kdist import checkpoints
 from kdist.checkpoints import runlock
 
+# Nothing here depends on the backend (the checkpoint folder's lock file): one session runs it.
+pytestmark = pytest.mark.any_backend
+
 
 def locked(folder, break_lock=False):
     manager = checkpoints.CheckpointManager(str(folder))
