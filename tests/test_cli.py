@@ -171,7 +171,10 @@ def test_progress_bar_shows_in_a_terminal_and_not_with_quiet(tmp_path):
         return b"".join(chunks).decode()
 
     shown = run_in_terminal()
-    assert "\u2501" in shown and "samples/s:" in shown
+    # The bar, in the epoch line's units and formats.
+    assert "\u2501" in shown and re.search(
+        r"\r5/5 \[\u2501+\] \d+s - Loss: \d\.\d{4}, Accuracy: \d+\.\d\d%, [\d,]+ samples/s",
+        shown), shown
     quiet = run_in_terminal("--quiet")
     assert "\u2501" not in quiet and "Epoch 1/1" in quiet
 

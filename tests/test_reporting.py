@@ -1,8 +1,10 @@
 """Metrics files: checked before training, each epoch once after a crash, clear write errors."""
 
 import csv
+import io
 import json
 import os
+import re
 
 import pytest
 from test_training import config, run
@@ -93,3 +95,25 @@ def test_a_full_disk_is_one_metrics_error():
     with pytest.raises(reporting.MetricsError,
                        match="cannot write the metrics file /dev/full .No space left"):
         writer.epoch(record)
+
+
+def test_the_progress_bar_reads_like_the_epoch_line():
+    out = io.StringIO()
+    bar = reporting.ProgressBar(10, first_step=2, stream=out)
+    results = {"loss": 0.50771, "accuracy": 0.8184}
+    bar.update(6, results, 8932.4)
+    bar.update(10, results | {"loss": 0.5}, 12580.0)
+    bar.close()
+    first, last = out.getvalue().split("\r")[1:]
+    assert re.fullmatch(r"6/10 \[\u2501{12} {8}\] \d+s, ETA \d+s - Loss: 0.5077, "
+                        r"Accuracy: 81.84%, 8,932 samples/s", first), first
+    assert re.fullmatch(r"10/10 \[\u2501{20}\] \d+s - Loss: 0.5000, Accuracy: 81.84%, "
+                        r"12,580 samples/s *\n", last), last
+    assert len(last) == len(first) + 1  # Blanks over the longer line, then the newline.
+    bar.close()  # Once only.
+    assert out.getvalue().count("\n") == 1
+
+
+def test_the_banner_counts_one_epoch_in_the_singular():
+    assert reporting._count(1, "epoch") == "1 epoch"
+    assert reporting._count(10, "epoch") == "10 epochs"

@@ -185,11 +185,16 @@ class _Run:
         batches = self.dataset.train.train(
             self.global_batch, seed=self.config.seed, epoch=epoch, start_step=first_step,
             limit=self.limit, shard=self.engine.shard)
-        on_step = _step_callback(self.config, self.step, epoch, first_step, self.steps,
-                                 self.global_batch)
+        progress = (reporting.ProgressBar(self.steps, first_step) if self.config.progress
+                    else None)
+        on_step = _step_callback(self.step, epoch, first_step, self.global_batch, progress)
         totals = position.totals if position.totals is not None else zero_totals(self.step)
-        totals, done = run_steps(self.engine, self.engine.train_chunk, batches, totals,
-                                 on_step, stop.poll, self.train_chunk)
+        try:
+            totals, done = run_steps(self.engine, self.engine.train_chunk, batches, totals,
+                                     on_step, stop.poll, self.train_chunk)
+        finally:
+            if progress is not None:
+                progress.close()
         if not batches.finished(done):  # Stopped with steps left in the epoch.
             return dataclasses.replace(position, step_in_epoch=first_step + done,
                                        totals=totals), None
@@ -250,11 +255,9 @@ def _resume_position(config, manager, model, step):
         f"with {meta['replicas']} replica(s))"), meta.get("steps_per_epoch")
 
 
-def _step_callback(config, step, epoch, first_step, steps_per_epoch, global_batch):
-    """Checks every step's loss and drives the progress bar (updated once per chunk)."""
-    progbar = keras.utils.Progbar(
-        steps_per_epoch, stateful_metrics=list(step.metric_names()) + ["samples/s"]) \
-        if config.progress else None
+def _step_callback(step, epoch, first_step, global_batch, progress):
+    """`on_step` for `run_steps`: checks every step's loss and draws `progress` (a
+    `reporting.ProgressBar`, or None) once per chunk."""
     start = time.perf_counter()
 
     def on_step(done, stats, totals, chunk_end):
@@ -263,10 +266,9 @@ def _step_callback(config, step, epoch, first_step, steps_per_epoch, global_batc
             raise TrainingError(
                 f"non-finite loss at epoch {epoch + 1}, step {step_in_epoch}; stopping. "
                 "Checkpoints written before stay valid; try a lower --learning-rate")
-        if progbar is not None and chunk_end:
-            rate = round(done * global_batch / (time.perf_counter() - start))
-            progbar.update(step_in_epoch, list(step.results(totals).items())
-                           + [("samples/s", rate)])
+        if progress is not None and chunk_end:
+            rate = done * global_batch / (time.perf_counter() - start)
+            progress.update(step_in_epoch, step.results(totals), rate)
 
     return on_step
 
