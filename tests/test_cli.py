@@ -146,6 +146,27 @@ def test_evaluate_without_checkpoint_is_a_clear_error(tmp_path):
     assert result.stderr.startswith("error: no checkpoint in ")
 
 
+@pytest.mark.any_backend  # Which hint the command prints.
+def test_evaluating_a_checkpoint_of_another_model_names_no_training_flag(tmp_path):
+    import keras
+
+    from kdist import checkpoints
+
+    other = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    other.compile(optimizer="sgd", loss="mse")
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager.prepare()
+    path = manager.save(other, 1, metadata=dict(epoch=1, history=[], backend="x",
+                                                replicas=1, seed=0))
+    result = script(EVALUATE, "--synthetic", "600", "--checkpoint-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert result.stderr == (f"error: {path} was written for a different model; evaluate it "
+                             "with the model it was trained with\n")
+    flags = set(re.findall(r"--[a-z-]+", script(EVALUATE, "--help").stdout))
+    assert set(re.findall(r"--[a-z-]+", result.stderr)) <= flags
+
+
 def test_progress_bar_shows_in_a_terminal_and_not_with_quiet(tmp_path):
     import pty
 

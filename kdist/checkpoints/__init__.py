@@ -248,17 +248,17 @@ def _read_verified(path):
         raise CheckpointError(f"checkpoint {path}: {_reason(e)}") from None
 
 
-def restore(model, path):
+def restore(model, path, hint=None):
     """Loads checkpoint `path` into `model` (and its compiled optimizer), once verified.
 
     Returns its metadata. Raises `CheckpointError` if it fails verification
-    or was written for another model.
+    or was written for another model; `hint`, what the caller's user can do
+    then, ends that error's message.
     """
     data, metadata = _read_verified(path)
     if metadata["signature"] != model_signature(model):
-        raise CheckpointError(
-            f"{path} was written for a different model; use another "
-            "--checkpoint-dir, or --no-resume to start over")
+        raise CheckpointError(f"{path} was written for a different model"
+                              + (f"; {hint}" if hint else ""))
     ckptfile.load(model, data)
     return metadata
 

@@ -237,7 +237,8 @@ def _resume_position(config, manager, model, step):
     if latest is None:
         return records.Position(), "starting fresh", None
     path, meta = latest
-    checkpoints.restore(model, path)
+    checkpoints.restore(model, path, hint="use another --checkpoint-dir, or --no-resume to "
+                                          "start over")
     if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
         model.optimizer.learning_rate.assign(config.learning_rate)
     position = records.Position.from_metadata(meta)
@@ -294,7 +295,7 @@ def evaluate_checkpoint(
     model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
                                          model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
                                          train=False, precision=precision)
-    checkpoints.restore(model, path)
+    checkpoints.restore(model, path, hint="evaluate it with the model it was trained with")
     building.check_labels(prepared, model, splits=("test",))
     engine.compile_steps(step, model.optimizer)
     results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution)
