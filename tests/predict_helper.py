@@ -18,11 +18,8 @@ import numpy as np  # noqa: E402
 
 from kdist import checkpoints
 from kdist.datasets import fashion_mnist
-from kdist.loop import (
-         building,
-         training,  # noqa: E402
-)
-from kdist.models.cnn import create_model  # noqa: E402
+from kdist.loop import building, training
+from kdist.models.cnn import create_model
 
 checkpoint, out = sys.argv[1:3]
 engine = training.engines.create_engine(distributed=False)

@@ -67,23 +67,23 @@ def test_checkpoint_restores_with_identical_predictions_on_the_other_backends(tm
         assert restored_line.split(": ")[-1] in evaluated, other  # ...equals the other's.
 
 
-@pytest.mark.parametrize("first, second", [
-    (("jax", "2"), ("tensorflow", "2")),
-    (("tensorflow", "1"), ("jax", "1")),
-    (("tensorflow", "2"), ("tensorflow", "1")),
-    (("jax", "1"), ("jax", "2")),
-    (("torch", "2"), ("jax", "1")),
-    (("tensorflow", "1"), ("torch", "2")),
-    (("torch", "1"), ("torch", "2")),
-])
-def test_training_resumes_on_another_backend_or_replica_count(tmp_path, first, second):
+# One run handed on epoch by epoch, each run resuming the one before: every pair of
+# neighbours is a hand-over. The nine cover every backend to every other one and a new
+# replica count on each backend: 1 -> 2 on torch (processes) and JAX, 2 -> 1 on TensorFlow.
+CHAIN = [("torch", "1"), ("torch", "2"), ("jax", "1"), ("jax", "2"), ("tensorflow", "2"),
+         ("tensorflow", "1"), ("torch", "2"), ("tensorflow", "1"), ("jax", "1"),
+         ("torch", "1")]
+
+
+def test_training_resumes_on_another_backend_or_replica_count(tmp_path):
     folder = str(tmp_path / "ckpt")
-    run(first[0], TRAIN, *COMMON, "--epochs", "1", "--replicas", first[1],
-        "--checkpoint-dir", folder)
-    log = run(second[0], TRAIN, *COMMON, "--epochs", "2", "--replicas", second[1],
-              "--checkpoint-dir", folder)
-    note = next(line for line in log.splitlines() if line.startswith("Checkpoints: "))
-    assert ", resumed from ckpt-" in note
-    assert f"written by {first[0]} with {first[1]} replica(s)" in note
-    after = predict(second[0], latest(folder), tmp_path / "after.npz")
-    assert int(after["iterations"]) == 2 * STEPS  # The optimizer's count carried over.
+    for epochs, (backend, replicas) in enumerate(CHAIN, start=1):
+        log = run(backend, TRAIN, *COMMON, "--epochs", str(epochs), "--replicas", replicas,
+                  "--checkpoint-dir", folder)
+        if epochs > 1:
+            note = next(line for line in log.splitlines() if line.startswith("Checkpoints: "))
+            before, count = CHAIN[epochs - 2]
+            assert ", resumed from ckpt-" in note, note
+            assert f"written by {before} with {count} replica(s)" in note, note
+    after = predict(CHAIN[-1][0], latest(folder), tmp_path / "after.npz")
+    assert int(after["iterations"]) == len(CHAIN) * STEPS  # Every hand-over kept the count.
