@@ -4,6 +4,7 @@ After `connect` the mesh spans every process's devices (JAX multi-process).
 """
 
 import contextlib
+from typing import Any
 
 import jax
 import keras
@@ -136,7 +137,7 @@ class Engine(contract.Engine):
 
         # Each step is jitted on its own, so it is traced once and called K
         # times in the chunk's program (faster tracing and compiling).
-        self._train_chunk = jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
+        self._train_chunk: Any = jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
         self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), step.zero_statistics))
         self._eval_whole = jax.jit(eval_step)
 
@@ -203,7 +204,7 @@ class Engine(contract.Engine):
 
     def compiled_train_programs(self):
         """Programs in the train chunk's compile cache."""
-        return self._train_chunk._cache_size()
+        return self._train_chunk._cache_size()  # A private method of jax.jit.
 
     def any_worker(self, flag):
         """Whether `flag` is true on any worker: an all-gather every process calls
