@@ -57,7 +57,7 @@ def test_a_doubled_loss_scale_would_be_caught(batch):
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_batches_are_split_across_replicas(batch, replicas):
     engine = engines.create_engine(replicas)
-    distributed = engine.distribute(chunks.stack_chunk([batch, batch]))  # Two chunks.
+    distributed = engine.distribute(chunks.stack_chunk([batch, batch]))  # Two steps.
     if engine.backend == "jax":
         images = distributed[0]  # Stacked: (steps, batch, 28, 28, 1).
         assert tuple(images.sharding.spec)[:2] == (None, "batch")

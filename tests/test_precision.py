@@ -258,7 +258,7 @@ def test_a_fixed_loss_scale_factor_scales_the_loss_and_unscales_the_gradients():
     assert worst <= 1e-6, f"a loss_scale_factor of 1024 changes the step by {worst}"
 
 
-# Dynamic loss scaling and skipped chunks.
+# Dynamic loss scaling and skipped steps.
 
 def test_the_optimizer_a_loss_scale_optimizer_wraps_accumulates_the_summed_gradients():
     # The TensorFlow engine's adjustments (`kdist.engines.tf_optimizer`) must

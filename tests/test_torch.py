@@ -149,7 +149,7 @@ def wait_for_training(process, tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if os.path.exists(tmp_path / "ckpt") and len(children(process.pid)) >= 2:
-            time.sleep(8)  # Past start-up, into the chunks.
+            time.sleep(8)  # Past start-up, into the steps.
             return [p for p in children(process.pid) if alive(p)]
         time.sleep(0.5)
     process.kill()

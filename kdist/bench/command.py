@@ -12,7 +12,7 @@ from kdist.cli.flags import add_config_flags, names, positive
 @common.quiet_signals("stopped")
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="measure.py",
+        prog="bench.py",
         description="Measure kdist's training loop against Keras fit on the backend chosen "
                     "by KERAS_BACKEND: same model, data, batch and devices, one process. "
                     "Prints a table, then one JSON line.")
