@@ -136,8 +136,7 @@ def format_epoch(record, epochs, show_skipped=False):
     speed = ("trained before the resume" if record.seconds is None else
              f"{record.seconds:.1f} s, {record.samples_per_sec:,.0f} samples/s")
     if show_skipped or record.skipped_steps:
-        count = record.skipped_steps
-        speed += f"; {count} step{'' if count == 1 else 's'} skipped"
+        speed += f"; {_count(record.skipped_steps, 'step')} skipped"
     return (f"Epoch {record.epoch}/{epochs}, {format_results(record.train)}, "
             f"{format_results({f'test_{k}': v for k, v in record.test.items()}, 'test_')} "
             f"({speed})")
