@@ -9,6 +9,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # What type checkers see; at run time `__getattr__` loads each name.
+    from kdist import random as random
     from kdist.checkpoints import latest_checkpoint as latest_checkpoint
     from kdist.config import OPTIMIZERS as OPTIMIZERS
     from kdist.config import TrainConfig as TrainConfig
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # What type checkers see; at run time `__getattr__` loads eac
     from kdist.loop.training import train_and_evaluate as train_and_evaluate
     from kdist.models.cnn import create_model as create_model
     from kdist.runtime.startup import prepare_environment as prepare_environment
+    from kdist.step.api import grad as grad
+    from kdist.step.api import value_and_grad as value_and_grad
     from kdist.workers.interrupt import StopRequest as StopRequest
     from kdist.workers.interrupt import stop_on_signals as stop_on_signals
 
@@ -50,6 +53,9 @@ _LAZY = {
     "StopRequest": "kdist.workers.interrupt",
     "stop_on_signals": "kdist.workers.interrupt",
     "prepare_environment": "kdist.runtime.startup",
+    # Your own step (`kdist.step.api`); `kdist.random` is a module.
+    "value_and_grad": "kdist.step.api",
+    "grad": "kdist.step.api",
     # Errors, all `KdistError`s (kdist.errors, which loads no framework).
     "KdistError": "kdist.errors",
     "UsageError": "kdist.errors",
@@ -61,10 +67,12 @@ _LAZY = {
     "TrainingError": "kdist.errors",
     "Interrupted": "kdist.errors",
 }
-__all__ = sorted(_LAZY)
+__all__ = sorted([*_LAZY, "random"])
 
 
 def __getattr__(name: str) -> Any:
+    if name == "random":
+        return importlib.import_module("kdist.random")
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'kdist' has no attribute {name!r}")

@@ -27,7 +27,7 @@ LAYERS = (
     ("kdist", "kdist.errors", "kdist.tree", "kdist.records", "kdist.precision",
      "kdist.checks", "kdist.config", "kdist.datasets.sizes"),
     ("kdist.runtime",),
-    ("kdist.workers", "kdist.checkpoints", "kdist.step"),
+    ("kdist.workers", "kdist.checkpoints", "kdist.step", "kdist.random"),
     ("kdist.inputs", "kdist.datasets", "kdist.models"),
     ("kdist.engines",),
     ("kdist.loop",),

@@ -21,5 +21,5 @@ def prepare(engine, global_batch, model_fn=create_model, optimizer_fn=training.s
         optimizer_fn = learning_rate = None
     model, step = building.prepare_model(engine, global_batch, sample, model_fn, optimizer_fn,
                                          learning_rate, train=train, **kwargs)
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     return model, step

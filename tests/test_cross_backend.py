@@ -4,6 +4,7 @@ Runs in the nox session with both backends (`tests(backend='both')`); each
 side is a real `scripts/train.py` process on its own backend.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ pytestmark = pytest.mark.cross_backend
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 HELPER = os.path.join(REPO, "tests", "predict_helper.py")
+EXAMPLE_STEPS = os.path.join(REPO, "tests", "example_steps.py")
 STEPS = 20
 # 1,200 generated examples (200 test): 20 steps of up to 32 and a short evaluation.
 COMMON = ["--synthetic", "1200", "--batch-size-per-replica", "16", "--steps-per-epoch",
@@ -87,3 +89,24 @@ def test_training_resumes_on_another_backend_or_replica_count(tmp_path):
             assert f"written by {before} with {count} replica(s)" in note, note
     after = predict(CHAIN[-1][0], latest(folder), tmp_path / "after.npz")
     assert int(after["iterations"]) == len(CHAIN) * STEPS  # Every hand-over kept the count.
+
+
+def test_each_example_step_trains_alike_on_every_backend_and_restores_on_the_others(tmp_path):
+    """The steps of examples/, written once: 2 replicas on each backend end within 1e-4
+    of each other, and the TensorFlow run's checkpoints evaluate alike everywhere."""
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from example_steps import assert_same
+
+    runs = {}
+    for backend in BACKENDS:
+        lines = run(backend, EXAMPLE_STEPS, "train", str(tmp_path / backend), "2").splitlines()
+        runs[backend] = {r["example"]: r for r in map(json.loads, lines[-5:])}
+    for example, written in runs["tensorflow"].items():
+        for other in ("jax", "torch"):
+            assert_same(written["path"], runs[other][example]["path"], 1e-4)
+            restored = json.loads(run(other, EXAMPLE_STEPS, "evaluate", example,
+                                      written["path"]).splitlines()[-1])
+            for key, value in restored.items():
+                if key.startswith("test_"):
+                    assert value == pytest.approx(written[key], rel=1e-4, abs=1e-5), (
+                        example, other, key)

@@ -62,7 +62,7 @@ def on_kdist(model_fn, replicas, batch, weights=None, **kwargs):
                           optimizer_fn=None, learning_rate=None, **kwargs)
     if weights is not None:
         model.set_weights(weights)
-        engine.compile_steps(step, model.optimizer)  # Takes the new values (JAX).
+        engine.compile_steps(step)  # Takes the new values (JAX).
     if batch is not None:
         engine.train_chunk(engine.distribute(chunks.stack_chunk([batch])), 1)
         engine.sync_to_model()

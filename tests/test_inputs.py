@@ -288,7 +288,7 @@ def test_evaluation_counts_every_example_once_whatever_the_kind():
     keras.utils.set_random_seed(0)
     model, step = building.prepare_model(engine, 32, building.sample_rows(
         sources.prepare(base.Inputs(TRAIN, TEST))), make_mlp)
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     x, y = TEST
     kinds = [(x, y), Batches(x, y, 64), lambda: iter(in_batches(x, y, 37))]
     if importlib.util.find_spec("tensorflow"):

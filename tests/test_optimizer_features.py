@@ -58,7 +58,7 @@ def trained(optimizer_fn, replicas, batch=BATCH, count=1):
     model, step = building.prepare_model(engine, batch, (X[:batch], Y[:batch], None),
                                          model_fn(optimizer_fn))
     initial = [np.array(w) for w in model.get_weights()]
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     engine.train_chunk(engine.distribute(chunks.stack_chunk(batches(batch, count))), count)
     engine.sync_to_model()
     return initial, model, engine

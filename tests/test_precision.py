@@ -91,7 +91,7 @@ def train(model_fn, precision, replicas, batches, sample=(IMAGES[:2], LABELS[:2]
     model, step = building.prepare_model(engine, len(tree.leaves(batches[0][0])[0]), sample,
                                          model_fn, precision=precision)
     before = [np.array(w) for w in model.get_weights()]
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     per_step = []
     totals, _ = chunks.run_steps(engine, engine.train_chunk, batches, chunks.zero_totals(step),
                                 on_step=lambda done, stats, totals, end: per_step.append(stats),

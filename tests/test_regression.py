@@ -72,7 +72,7 @@ def test_sgd_steps_and_evaluation_equal_keras(replicas, outputs):
     model, step = building.prepare_model(engine, GLOBAL_BATCH, sample,
                                          lambda: regression_model(outputs))
     model.set_weights(initial)  # Before compile_steps: the engine takes the values then.
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     batches = [tuple(a[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH] for a in train)
                + (None,) for i in range(STEPS)]
     totals, done = chunks.run_steps(engine, engine.train_chunk, batches, chunks.zero_totals(step),
@@ -129,7 +129,7 @@ def test_sample_weights_go_to_weighted_metrics_only_as_in_keras():
     model, step = building.prepare_model(engine, GLOBAL_BATCH,
                                          (train[0][:2], train[1][:2], train_weight[:2]), model_fn)
     model.set_weights(initial)
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     batches = [tuple(a[i * GLOBAL_BATCH:(i + 1) * GLOBAL_BATCH]
                      for a in (*train, train_weight))
                for i in range(STEPS)]

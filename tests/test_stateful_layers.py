@@ -19,7 +19,7 @@ from kdist import checkpoints, engines
 from kdist.datasets import fashion_mnist
 from kdist.errors import Interrupted
 from kdist.loop import building, chunks, training
-from kdist.step.compiled import metric_key
+from kdist.step.program import metric_key
 
 BACKEND = keras.backend.backend()
 
@@ -254,7 +254,7 @@ def dropout_outputs(replicas, seed, train_steps=2):
     keras.utils.set_random_seed(seed)
     model, step = building.prepare_model(engine, ROWS, (ONES[:2], ROW_IDS[:2], None),
                                          dropout_model)
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     (key,) = [metric_key(i) for i, v in enumerate(step.metric_variables)
               if tuple(v.shape) == (ROWS, UNITS)]
     batch = (ONES, ROW_IDS, None)
@@ -320,7 +320,7 @@ def moving_statistics_after_a_step(replicas, tmp_path):
     keras.utils.set_random_seed(3)
     x, y = bn_batch()
     model, step = building.prepare_model(engine, len(x), (x[:2], y[:2], None), bn_model)
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     engine.train_chunk(engine.distribute(chunks.stack_chunk(
         [(x, y, None)])), 1)
     engine.sync_to_model()

@@ -1,14 +1,16 @@
-"""The step's math (`kdist.step.compiled.Step`), outside any engine: loss shares, padding,
-metrics."""
+"""The built-in step's statistics (`kdist.step.program.Program` running
+`kdist.step.compiled`), eagerly on one device: the loss, the model's losses, metrics."""
 
 import keras
 import numpy as np
 import pytest
 from keras import ops
 
+from kdist import engines
 from kdist.loop import chunks
 from kdist.models import losses
-from kdist.step.compiled import Step, build_metrics
+from kdist.step.compiled import build_metrics
+from kdist.step.program import Program
 
 
 def one_hot_model(regularization=0.0, compute_loss=None):
@@ -25,43 +27,41 @@ def one_hot_model(regularization=0.0, compute_loss=None):
     return model, x, labels
 
 
-def run(step, batch, share=1.0):
-    model = step.model
-    loss, (stats, _) = step.loss_and_updates(
-        [v.value for v in model.trainable_variables],
-        [v.value for v in model.non_trainable_variables], batch, True, share)
-    return float(loss), {k: np.asarray(keras.ops.convert_to_numpy(v), np.float64)
-                         for k, v in stats.items()}
+def evaluate(model, batch, compute_loss=None):
+    """(program, statistics of the test step on `batch`) on one undistributed device."""
+    engine = engines.create_engine(distributed=False)
+    program = Program(model, compute_loss)
+    program.build(engine, batch)
+    stats, _ = program.run(engine.primitives(), False, tuple(
+        None if part is None else ops.convert_to_tensor(part) for part in batch))
+    return program, {k: np.asarray(keras.ops.convert_to_numpy(v), np.float64)
+                     for k, v in stats.items()}
 
 
 @pytest.mark.parametrize("regularization", [0.0, 0.01])
 def test_statistics_sum_the_loss_and_count_the_model_losses_per_example(regularization):
     model, x, labels = one_hot_model(regularization)
-    step = Step(model, global_batch_size=3)
-    _, stats = run(step, (x, labels, None))
+    program, stats = evaluate(model, (x, labels, None))
     per_example = keras.ops.convert_to_numpy(
         losses.sparse_categorical_crossentropy(labels, model(x)))
     penalty = regularization * 25.0 * 10  # L2 of 5 * I (10 x 10).
     assert stats["count"] == 3.0
     assert stats["loss_sum"] == pytest.approx(per_example.sum() + 3 * penalty, rel=1e-6)
-    totals = chunks.zero_totals(step)
+    totals = chunks.zero_totals(program)
     for key in totals:
         totals[key] = totals[key] + stats[key]
-    assert step.results(totals)["accuracy"] == pytest.approx(2 / 3, rel=1e-6)
+    assert program.results(totals, "test")["accuracy"] == pytest.approx(2 / 3, rel=1e-6)
 
 
-def test_own_loss_is_its_weighted_sum_over_the_global_batch_plus_a_share_of_the_model_losses():
+def test_own_loss_is_its_weighted_sum_over_the_batch_plus_the_model_losses():
     def compute_loss(model, x, y, training):
         return ops.convert_to_tensor(np.array([1.0, 2.0, 3.0], np.float32)), model(x)
 
     model, x, labels = one_hot_model(0.01, compute_loss=compute_loss)
-    step = Step(model, global_batch_size=16, compute_loss=compute_loss)
     weights = np.array([2.0, 1.0, 1.0], np.float32)
-    loss, stats = run(step, (x, labels, weights), share=0.25)
+    _, stats = evaluate(model, (x, labels, weights), compute_loss)
     penalty = 0.01 * 25.0 * 10
-    # A program holding 3 of a global batch of 16 contributes its weighted sum/16,
-    # not a mean, and its share of the penalty.
-    assert loss == pytest.approx((2 * 1 + 2 + 3) / 16 + 0.25 * penalty, rel=1e-6)
+    # The loss is the weighted sum / the batch's 3 rows + the penalty; its sum is 3 times that.
     assert stats["loss_sum"] == pytest.approx(7 + 3 * penalty, rel=1e-6)
     assert stats["count"] == 3.0
 
@@ -82,7 +82,7 @@ def test_a_metric_that_does_not_merge_by_summing_is_refused():
     model.compile(optimizer="sgd", loss="mse", metrics=[Last()])
     build_metrics(model, np.zeros((2, 3), np.float32), np.zeros((2, 1), np.float32))
     with pytest.raises(Exception, match="'last/value' is aggregated by 'mean'"):
-        Step(model, 2)
+        Program(model)
 
 
 def test_an_uncompiled_model_is_a_clear_error():

@@ -77,7 +77,7 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
     model, step = building.prepare_model(engine, global_batch,
                                          building.sample_rows(dataset), model_fn,
                                          precision=precision)
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     seconds: dict[str, list[float]] = {kind: [] for kind in input_kinds}
     for epoch in range(1 + windows):
         for kind, (train, _) in sources.items():

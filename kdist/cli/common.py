@@ -52,9 +52,9 @@ def quiet_signals(message):
     """Makes SIGINT/SIGTERM outside training exit 128 + signal with one line on stderr."""
     def decorate(main_fn):
         @functools.wraps(main_fn)
-        def wrapper(argv=None):
+        def wrapper(argv=None, **kwargs):
             with interrupt.exit_on_signals(message):
-                return main_fn(argv)
+                return main_fn(argv, **kwargs)
 
         return wrapper
 

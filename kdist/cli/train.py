@@ -4,7 +4,11 @@ The train flags come from `kdist.TrainConfig`'s fields (`kdist.cli.flags`).
 """
 
 import argparse
+import dataclasses
+import functools
+import os
 import sys
+from typing import Any
 
 import kdist
 from kdist import config
@@ -13,12 +17,13 @@ from kdist.cli.flags import add_config_flags, config_from_args
 from kdist.workers.processes import follow_launcher
 
 
-def train_parser():
+def train_parser(prog="train.py", description=None):
     parser = argparse.ArgumentParser(
-        prog="train.py",
-        description="Train the tutorial CNN on Fashion-MNIST, data-parallel, on the backend "
-                    "chosen by KERAS_BACKEND (tensorflow, jax or torch); then restore the latest "
-                    "checkpoint without distribution and evaluate it.")
+        prog=prog,
+        description=description or (
+            "Train the tutorial CNN on Fashion-MNIST, data-parallel, on the backend "
+            "chosen by KERAS_BACKEND (tensorflow, jax or torch); then restore the latest "
+            "checkpoint without distribution and evaluate it."))
     add_config_flags(parser)
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (it is also off when stdout is not a terminal)")
@@ -35,11 +40,25 @@ def train_parser():
 
 
 @common.quiet_signals("stopped while starting; nothing was trained")
-def main(argv=None):
-    return common.run(train_parser(), argv, _train)
+def main(argv=None, model_fn=None, description=None, after=None):
+    """`kdist-train`; with `model_fn(args) -> keras.Model`, a script's own model
+    (its own `train_step`, its own optimizers) takes the tutorial CNN's place,
+    with the same flags (`--optimizer` and `--learning-rate` are then the
+    script's to read from `args`). `after(args)` runs once training has
+    ended well. Returns the exit status."""
+    parser = (train_parser(os.path.basename(sys.argv[0]), description) if model_fn
+              else train_parser())
+
+    def body(args):
+        status = _train(args, model_fn)
+        if after is not None:
+            after(args)
+        return status
+
+    return common.run(parser, argv, body)
 
 
-def _train(args):
+def _train(args, model_fn=None):
     stop = kdist.StopRequest()
     supervised = follow_launcher(stop)  # Under kdist-launch: stop when it is gone.
     spec = common.cluster_spec(args)
@@ -48,10 +67,13 @@ def _train(args):
     common.connect(spec, args.replicas)
     run_config = config_from_args(
         args, progress=sys.stdout.isatty() and not args.quiet and spec.is_chief)
+    model: dict[str, Any] = dict(optimizer_fn=config.OPTIMIZERS[args.optimizer])
+    if model_fn is not None:  # The model's optimizers are its own; it reads the flags.
+        model = dict(model_fn=functools.partial(model_fn, args))
+        run_config = dataclasses.replace(run_config, learning_rate=None)
     # From here a signal is a stop request that every worker agrees on: a
     # worker that exited alone would leave the others waiting in a step.
     with kdist.stop_on_signals(stop, escalate=not supervised):
         dataset = common.load_data(args)
-        kdist.train_and_evaluate(run_config, dataset, log=common.log, stop=stop,
-                                 optimizer_fn=config.OPTIMIZERS[args.optimizer])
+        kdist.train_and_evaluate(run_config, dataset, log=common.log, stop=stop, **model)
     return 0

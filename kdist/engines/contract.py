@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import keras
 
-    from kdist.step.compiled import Step
+    from kdist.step.context import Primitives
+    from kdist.step.program import Program
 
 Batch = tuple[Any, Any, Any]
 """(x, y, sample_weight) of NumPy arrays: x and y an array or a tuple, list or
@@ -77,20 +78,20 @@ class Engine(Protocol):
     def scope(self) -> contextlib.AbstractContextManager[Any]:
         """The context in which the model, optimizer and variables must be created."""
 
-    def compile_steps(self, step: "Step", optimizer: "keras.optimizers.Optimizer | None",
-                      /) -> None:
-        """Builds the train and eval chunk functions of `step`, a `kdist.step.compiled.Step`.
+    def primitives(self) -> "Primitives":
+        """What a step calls for the parts that differ per backend: gradients and
+        their average over replicas (`kdist.step.context.Primitives`)."""
 
-        `optimizer` (None for evaluation only) must already be built. Each
-        program calls `step.loss_and_updates` with the share of the global
-        batch it sees, the share Keras' compiled loss has already divided
-        itself by there (`keras_share`: only tf.distribute's replicas do),
-        and, in training, the optimizer's current loss scale
-        (`kdist.step.optimizer.loss_scale`; mixed_float16); the gradients of those
-        losses are summed over the replicas before the optimizer sees them
-        (so clipping and accumulation act on the global gradient, and a
-        `LossScaleOptimizer` unscales the sum and skips a non-finite step on
-        every replica alike).
+    def compile_steps(self, program: "Program", /) -> None:
+        """Builds the train and eval chunk functions of `program`, a built
+        `kdist.step.program.Program` (its train chunk only if `program.trains`).
+
+        Each runs `program.run(self.primitives(), training, batch, mapping)`
+        per step where the engine runs a replica's step, and keeps what the
+        step's scope assigned: moving statistics averaged over replicas,
+        everything else as assigned. Optimizers update the weights inside
+        the step (`optimizer.apply`), with gradients `kdist.value_and_grad`
+        has already averaged over replicas.
         """
 
     def distribute(self, stacked: Batch, /) -> Any:

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from kdist.engines import contract
 from kdist.errors import UsageError
-from kdist.step.optimizer import ema_variables, loss_scale, skipped
+from kdist.step.context import StepScope, current_scope, loss_of
 
 
 def connect(spec, replicas=None):
@@ -91,54 +91,40 @@ class Engine(contract.Engine):
         """Context in which the model, optimizer and variables must be created."""
         return self.distribution.scope() if self.distribution else contextlib.nullcontext()
 
-    def compile_steps(self, step, optimizer):
-        """Takes the model's state as arrays and jits the two chunk functions
-        of `step` (a `kdist.step.compiled.Step`); `optimizer` (None: evaluation only)
-        must already be built.
+    def primitives(self):
+        """The step primitives of this engine (`kdist.step.context.Primitives`)."""
+        return _Primitives()
 
-        The program sees the whole sharded global batch, so the step's
-        loss is the global-batch loss (share 1, times the optimizer's loss
-        scale read from its state, `kdist.step.optimizer.loss_scale`) and its
-        gradients are already summed over devices (XLA all-reduces them).
-        A `LossScaleOptimizer`'s `stateless_apply` unscales them and skips
-        a step whose gradients are not finite (`skipped`). Evaluation uses
-        the optimizer's moving averages of the weights if it keeps them
-        (`kdist.step.optimizer.ema_variables`).
+    def compile_steps(self, program):
+        """Takes the program's variables' values as the state and jits the two chunk
+        functions of `program` (a built `kdist.step.program.Program`).
+
+        Each step runs statelessly: every variable is read from the state
+        through the step's scope, and what the step assigns (optimizers'
+        updates, moving statistics, seeds) is the next state. The program
+        sees the whole sharded global batch, so a loss that is a mean over
+        its batch is the global batch's, and its gradients are summed over
+        devices by XLA.
         """
-        self.model, self.optimizer = step.model, optimizer
+        self.program = program
+        variables = program.variables
         self._read_state()
 
-        def compute(trainable, non_trainable, batch, training, scale=None):
-            return step.loss_and_updates(trainable, non_trainable, batch, training,
-                                         loss_scale=scale)
+        def run(state, batch, training):
+            stats, scope = program.run(_Primitives(), training, batch, zip(variables, state))
+            return [scope.get_current_value(v) for v in variables], stats
 
         def train_step(state, batch):
-            trainable, non_trainable, opt_vars = state
-            grad_fn = jax.value_and_grad(compute, has_aux=True)
-            (_, (stats, updated)), grads = grad_fn(trainable, non_trainable, batch, True,
-                                                   loss_scale(optimizer, opt_vars))
-            stats = dict(stats, skipped=skipped(optimizer, grads))
-            trainable, opt_vars = optimizer.stateless_apply(opt_vars, grads, trainable)
-            non_trainable = [old if new is None else new
-                             for old, new in zip(non_trainable, updated)]
-            return (trainable, non_trainable, opt_vars), stats
-
-        averages = ema_variables(optimizer, self.model.trainable_variables)
-        # Where in the optimizer's state each weight's moving average is.
-        ema_index = None if averages is None else [
-            next(i for i, v in enumerate(optimizer.variables) if v is a) for a in averages]
+            return run(state, batch, True)
 
         def eval_step(state, batch):
-            trainable, non_trainable, opt_vars = state
-            if ema_index is not None:
-                trainable = [opt_vars[i] for i in ema_index]
-            _, (stats, _) = compute(trainable, non_trainable, batch, False)
-            return stats
+            return run(state, batch, False)[1]
 
         # Each step is jitted on its own, so it is traced once and called K
         # times in the chunk's program (faster tracing and compiling).
-        self._train_chunk: Any = jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
-        self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), step.zero_statistics))
+        self._train_chunk: Any = (jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
+                                  if program.trains else None)
+        self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), program.zero_statistics))
         self._eval_whole = jax.jit(eval_step)
 
     def _read_state(self):
@@ -149,15 +135,10 @@ class Engine(contract.Engine):
         gives every call the same input types, so the program compiles once,
         not twice.
         """
-        values = tuple([v.value for v in vs] for vs in self._variable_lists())
+        values = [v.value for v in self.program.variables]
         if self.distribution is not None:
             values = jax.device_put(values, self._replicated)
         self.state = values
-
-    def _variable_lists(self):
-        """The Keras variables behind the three parts of `self.state`."""
-        opt_vars = self.optimizer.variables if self.optimizer is not None else []
-        return (self.model.trainable_variables, self.model.non_trainable_variables, opt_vars)
 
     def distribute(self, stacked):
         """Shards a stacked chunk, a structure of numpy arrays of (K, batch,
@@ -221,9 +202,8 @@ class Engine(contract.Engine):
 
     def sync_to_model(self):
         """Writes the functional state back into the Keras variables."""
-        for variables, values in zip(self._variable_lists(), self.state):
-            for variable, value in zip(variables, values):
-                variable.assign(value)
+        for variable, value in zip(self.program.variables, self.state):
+            variable.assign(value)
 
 
 class _BlockEachBatch(keras.callbacks.Callback):
@@ -290,3 +270,59 @@ def _chunk_length(chunk):
 
 def _stack(per_step):
     return {key: jax.numpy.stack([s[key] for s in per_step]) for key in per_step[0]}
+
+
+class _Primitives:
+    """`kdist.step.context.Primitives` on JAX: `jax.value_and_grad` over the step's
+    state, read through a child scope."""
+
+    applies_in_scope = True  # Optimizers apply statelessly, in the step's scope.
+
+    def value_and_grad(self, context, fn, variables, tensors):
+        """Differentiates `fn(*tensors)` with respect to `variables`' values in the
+        current scope and `tensors`. What `fn` assigns reaches the current scope.
+
+        Keras reads every variable through the scope, so a variable whose
+        value `fn` never read gets None, as TensorFlow's tape gives."""
+        parent = current_scope()
+        starts = [_current(parent, v) for v in variables]
+        found: dict = {}
+
+        def f(values, tensor_values):
+            with StepScope(context, zip(variables, values), parent=parent) as child:
+                value = fn(*tensor_values)
+            overridden = {id(v) for v in variables}
+            changed = {k: v for k, v in child.changed().items() if k not in overridden}
+            found.update(keys=list(changed), reads=set(child.reads))
+            return loss_of(value), (value, list(changed.values()))
+
+        (_, (value, changed)), (var_grads, tensor_grads) = jax.value_and_grad(
+            f, argnums=(0, 1), has_aux=True)(starts, list(tensors))
+        parent.state_mapping.update(zip(found["keys"], changed))
+        var_grads = [g if id(v) in found["reads"] else None
+                     for v, g in zip(variables, var_grads)]
+        return value, var_grads, list(tensor_grads)
+
+    def mean_over_replicas(self, grads):
+        """The program sees the whole global batch: its gradients are already global."""
+        return grads
+
+    def apply(self, context, optimizer, apply, grads, variables):
+        """Keras' `stateless_apply` on the scope's values; its results become the
+        scope's. (A stateful `apply` would assign inside Keras' `ops.cond`
+        branches, which JAX cannot trace.)"""
+        scope = current_scope()
+        targets = optimizer._trainable_variables  # What it was built on, in order.
+        given = {id(v): g for v, g in zip(variables or targets, grads)}
+        with context.optimizer_applying():
+            new_targets, new_state = optimizer.stateless_apply(
+                [_current(scope, v) for v in optimizer.variables],
+                [given.get(id(v)) for v in targets], [_current(scope, v) for v in targets])
+            for variable, value in zip(list(targets) + list(optimizer.variables),
+                                       list(new_targets) + list(new_state)):
+                variable.assign(value)  # Into the scope.
+
+
+def _current(scope, variable):
+    value = scope.get_current_value(variable)
+    return variable.value if value is None else value

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from kdist.engines import contract
 from kdist.errors import ReplicaPerProcess, UsageError
-from kdist.step.optimizer import ema_variables, loss_scale, skipped
+from kdist.step.context import current_scope, loss_of
 from kdist.tree import map_arrays as _map_arrays
 from kdist.workers.processes import LOCAL_PROCESSES_VARIABLE
 
@@ -107,26 +107,27 @@ class Engine(contract.Engine):
         """Variables live on Keras' torch device; no scope is needed."""
         return contextlib.nullcontext()
 
-    def compile_steps(self, step, optimizer):
-        """Prepares the eager train and eval steps of `step` (a `kdist.step.compiled.Step`);
-        `optimizer` (None: evaluation only) must already be built.
+    def primitives(self):
+        """The step primitives of this engine (`kdist.step.context.Primitives`)."""
+        return _Primitives(self)
+
+    def compile_steps(self, program):
+        """Prepares the eager train and eval steps of `program` (a built
+        `kdist.step.program.Program`).
 
         Every process starts from process 0's variables (broadcast). Each
-        replica differentiates its share (1/R) of the global-batch loss
-        (times the optimizer's loss scale); one all-reduce per step sums
-        the gradients, together with the replicas' new moving statistics
-        (BatchNormalization), which are averaged; the optimizer then
-        applies the sum on every process alike. A `LossScaleOptimizer`
-        unscales it and skips a non-finite step everywhere; process 0 alone
-        reports that (`skipped`), so it is counted once.
+        replica runs the step on its slice of the batch; `kdist.value_and_grad`
+        averages the gradients over processes (one all-reduce per call) and
+        the optimizers apply them in place, alike on every process. What the
+        step assigns otherwise is kept: floats (BatchNormalization's moving
+        statistics) averaged over processes, the rest as assigned. A
+        `LossScaleOptimizer` skips a non-finite step everywhere; process 0
+        alone reports that (`skipped`), so it is counted once.
         """
-        self.step, self.model, self.optimizer = step, step.model, optimizer
-        self._trainable = list(self.model.trainable_variables)
-        self._non_trainable = list(self.model.non_trainable_variables)
-        self._evaluated = ema_variables(optimizer, self._trainable) or self._trainable
+        self.program = program
         if self._group:
             with torch.no_grad():
-                for variable in self._trainable + self._non_trainable:
+                for variable in program.variables:
                     dist.broadcast(variable.value.data, src=0)
             # Unseeded dropout draws from torch's own generator: one stream per
             # replica, process 0's the one a single process draws.
@@ -144,53 +145,42 @@ class Engine(contract.Engine):
         return self._summed(per_step)
 
     def _train_step(self, batch):
-        share = 1.0 / self.num_replicas
-        values = [v.value for v in self._trainable]
-        loss, (stats, updated) = self.step.loss_and_updates(
-            values, [v.value for v in self._non_trainable], batch, True, share,
-            loss_scale(self.optimizer))
-        grads = torch.autograd.grad(loss, values, allow_unused=True)
-        used = [i for i, g in enumerate(grads) if g is not None]
-        moving = [(v, new) for v, new in zip(self._non_trainable, updated)
-                  if new is not None and _is_float(v)]
+        stats, scope = self.program.run(_Primitives(self), True, batch)
+        changed = scope.changed()
+        updated = [(v, changed[id(v)]) for v in self.program.variables if id(v) in changed]
+        moving = [(v, new) for v, new in updated if _is_float(v)]
         with torch.no_grad():
-            summed = self._all_reduce_sum(
-                [grads[i] for i in used] + [new * share for _, new in moving])
-            grads, means = summed[:len(used)], summed[len(used):]
-            stats = {k: v.detach() for k, v in stats.items()}
-            if self.is_chief:
-                stats["skipped"] = skipped(self.optimizer, grads)
-            self.optimizer.apply(grads, [self._trainable[i] for i in used])
+            means = self._all_reduce_sum([new / self.num_replicas for _, new in moving])
             for (variable, _), mean in zip(moving, means):
                 variable.assign(mean)
-            for variable, new in zip(self._non_trainable, updated):
-                if new is not None and not _is_float(variable):
+            for variable, new in updated:
+                if not _is_float(variable):
                     variable.assign(new)  # Seed states: the same on every process.
+        stats = {k: v.detach() for k, v in stats.items()}
+        if not self.is_chief:
+            stats["skipped"] = torch.zeros_like(stats["skipped"])
         return stats
 
     def eval_chunk(self, chunk, num_steps):
         """The chunk's first `num_steps` eval steps; returns each step's summed statistics."""
-        return self._summed([self._eval_step(_map_arrays(lambda a: a[k], chunk),  # noqa: B023
-                                             1.0 / self.num_replicas)
+        return self._summed([self._eval_step(_map_arrays(lambda a: a[k], chunk))  # noqa: B023
                              for k in range(num_steps)])
 
-    def _eval_step(self, batch, share):
+    def _eval_step(self, batch):
         with torch.no_grad():
-            _, (stats, _) = self.step.loss_and_updates(
-                [v.value for v in self._evaluated], [v.value for v in self._non_trainable],
-                batch, False, share)
-        return stats
+            stats, _ = self.program.run(_Primitives(self), False, batch)
+        return {k: v.detach() for k, v in stats.items()}
 
     def eval_whole(self, batch):
         """Evaluates one batch of any size, whole, in every process alike: each
         returns the same statistics, so they are counted once."""
-        stats = self._eval_step(self.distribute(batch), 1.0)
+        stats = self._eval_step(self.distribute(batch))
         return {k: v.cpu().numpy() for k, v in stats.items()}
 
     def _summed(self, per_step):
         """{key: (steps, ...) array} of per-step statistics, summed over processes
         in one all-reduce."""
-        keys = list(per_step[0]) if per_step else list(self.step.keys)
+        keys = list(per_step[0]) if per_step else list(self.program.keys)
         stacked = [torch.stack([torch.as_tensor(s[k], dtype=torch.float32) for s in per_step])
                    if per_step else torch.zeros((0,)) for k in keys]
         stacked = self._all_reduce_sum(stacked)
@@ -234,3 +224,39 @@ class Engine(contract.Engine):
 
 def _is_float(variable):
     return "float" in str(variable.dtype)
+
+
+class _Primitives:
+    """`kdist.step.context.Primitives` on torch: autograd, and one all-reduce of
+    the gradients per call."""
+
+    applies_in_scope = False  # Keras' torch optimizers update the tensors in place.
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def value_and_grad(self, context, fn, variables, tensors):
+        """Differentiates `fn(*tensors)` with autograd; inside another
+        `value_and_grad`'s loss, keeps the graph so that loss can be
+        differentiated through this gradient (a gradient penalty)."""
+        scope = current_scope()
+        sources = [scope.get_current_value(v) for v in variables]  # Their parameters.
+        leaves = [t if t.requires_grad else t.detach().requires_grad_(True) for t in tensors]
+        with torch.enable_grad():
+            value = fn(*leaves)
+            grads = torch.autograd.grad(loss_of(value), sources + leaves, allow_unused=True,
+                                        create_graph=context.depth > 1)
+        return value, list(grads[:len(sources)]), list(grads[len(sources):])
+
+    def mean_over_replicas(self, grads):
+        present = [i for i, g in enumerate(grads) if g is not None]
+        with torch.no_grad():
+            summed = self.engine._all_reduce_sum([grads[i] for i in present])
+        out = list(grads)
+        for i, g in zip(present, summed):
+            out[i] = g / self.engine.num_replicas if self.engine.num_replicas > 1 else g
+        return out
+
+    def apply(self, context, optimizer, apply, grads, variables):
+        with context.optimizer_applying(), torch.no_grad():
+            return apply(grads, variables)

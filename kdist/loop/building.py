@@ -16,7 +16,8 @@ from kdist.inputs import arrays
 from kdist.models import losses
 from kdist.models.cnn import create_model
 from kdist.precision import policy
-from kdist.step.compiled import Step, build_metrics
+from kdist.step import program
+from kdist.step.compiled import build_metrics
 
 
 def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
@@ -42,6 +43,13 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     """
     with engine.scope(), policy(precision):
         model = model_fn()
+        if program.defines(model, "train_step"):  # The model's own step.
+            if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:
+                raise UsageError(
+                    "model_fn returned a model with its own train_step: its optimizers and "
+                    "losses are its own, so optimizer_fn, loss_fn and learning_rate must be "
+                    "None")
+            return model, None
         if model.compiled:
             if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:
                 raise UsageError(
@@ -66,15 +74,18 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
 def prepare_model(engine, global_batch_size, sample, model_fn=create_model, optimizer_fn=None,
                   learning_rate=None, loss_fn=None, compute_loss=None, train=True,
                   precision=None):
-    """`build`, then the model's `Step`: returns (model, step).
+    """`build`, then the model's built `kdist.step.program.Program`: returns
+    (model, program).
 
     `sample` is a few (x, y, sample_weight) rows (`sample_rows`). Restore a
-    checkpoint, if any, before `engine.compile_steps(step, model.optimizer)`:
-    an engine may take the variables' values when it compiles.
+    checkpoint, if any, before `engine.compile_steps(program)`: an engine may
+    take the variables' values when it compiles.
     """
     model, _ = build(engine, model_fn, optimizer_fn, learning_rate, loss_fn,
                      compute_loss, sample=sample, train=train, precision=precision)
-    return model, Step(model, global_batch_size, compute_loss)
+    steps = program.Program(model, compute_loss, train=train)
+    steps.build(engine, sample)
+    return model, steps
 
 
 def sample_rows(dataset, rows=2):
@@ -97,7 +108,7 @@ def check_labels(prepared, model, splits=("train", "test")):
     dataset = prepared.arrays
     if dataset is None:
         return
-    labels, shape = dataset.train_y, model.output_shape
+    labels, shape = dataset.train_y, getattr(model, "output_shape", None)
     if (isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer)
             and isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1):
         arrays.check_labels(dataset, shape[-1], splits)

@@ -13,7 +13,9 @@ import numpy as np
 from kdist import tree
 from kdist.errors import UsageError
 from kdist.inputs import arrays
+from kdist.inputs.base import worker_rows
 from kdist.loop import prefetch
+from kdist.step import draws
 
 
 def zero_totals(step):
@@ -74,6 +76,7 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
 def _stacked_chunks(engine, batches, size):
     """Yields (chunk stacked to `size` steps, its real step count) from `batches`."""
     for chunk in _chunks(batches, size):
+        chunk = [tuple(b) if len(b) == 4 else tuple(b) + ((),) for b in chunk]  # Draws: none.
         for batch in chunk:  # This worker's part of a global batch, over its replicas.
             rows = tree.num_examples(batch[0])
             if rows % engine.num_local_replicas:
@@ -102,26 +105,31 @@ def evaluate(engine, step, x, y, sample_weight, global_batch_size, steps_per_exe
     return evaluate_source(engine, step, source, global_batch_size, steps_per_execution)
 
 
-def evaluate_source(engine, step, source, global_batch_size, steps_per_execution=1):
+def evaluate_source(engine, step, source, global_batch_size, steps_per_execution=1, seed=0):
     """{"loss": ..., each metric: ...} over every example of `source` (`kdist.inputs`), once.
 
     Full global batches run in chunks as in training (a compiled call runs
     at most as many steps as there are batches, where the source knows
     their number); the examples left over run as one smaller batch
     (`engine.eval_whole`), so nothing is padded and every metric, whatever
-    it computes, sees exactly the evaluation set.
+    it computes, sees exactly the evaluation set. `kdist.random` draws in the
+    test step come from `seed` and the batch's place in the evaluation.
     """
     totals = zero_totals(step)
     full = source.eval_steps(global_batch_size)
     chunk = steps_per_execution if full is None else min(steps_per_execution, full)
     tails = []
+    specs, rows = step.draws["test"], worker_rows(global_batch_size, engine.shard)
 
     def full_batches():
-        for batch, whole in source.evaluate(global_batch_size, engine.shard):
-            if whole:
-                tails.append(batch)
+        for index, (batch, whole) in enumerate(source.evaluate(global_batch_size,
+                                                               engine.shard)):
+            if whole:  # Every worker evaluates it whole.
+                tails.append(tuple(batch) + (draws.for_batch(
+                    specs, seed, draws.EVALUATE, 0, index, tree.num_examples(batch[0])),))
             else:
-                yield batch
+                yield tuple(batch) + (draws.for_batch(
+                    specs, seed, draws.EVALUATE, 0, index, global_batch_size, rows),)
 
     if chunk:
         totals, _ = run_steps(engine, engine.eval_chunk, full_batches(), totals,
@@ -132,4 +140,4 @@ def evaluate_source(engine, step, source, global_batch_size, steps_per_execution
     for tail in tails:
         for key, value in engine.eval_whole(tail).items():
             totals[key] += np.asarray(value, np.float64)
-    return step.results(totals)
+    return step.results(totals, "test")

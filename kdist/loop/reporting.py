@@ -154,10 +154,12 @@ class MetricsWriter:
     writes nothing. A failed write raises `MetricsError`.
     """
 
-    def __init__(self, path, metric_names=("loss", "accuracy")):
+    def __init__(self, path, metric_names=("loss", "accuracy"), test_names=None):
         self.path = path
         self.csv_path = checks.metrics_csv_path(path) if path else None
-        keys = [f"{split}_{name}" for split in ("train", "test") for name in metric_names]
+        test_names = metric_names if test_names is None else test_names
+        keys = ([f"train_{name}" for name in metric_names]
+                + [f"test_{name}" for name in test_names])
         self.csv_columns = ("epoch",) + tuple(sorted(keys + ["seconds", "samples_per_sec",
                                                              "skipped_steps"]))
 

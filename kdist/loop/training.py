@@ -23,6 +23,7 @@ from kdist.inputs import arrays, base, pipelines, sources
 from kdist.loop import building, replicas, reporting
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
 from kdist.models.cnn import create_model
+from kdist.step import draws
 from kdist.workers import interrupt
 
 
@@ -89,7 +90,8 @@ def _train(run, log, stop):
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
                          run.train_chunk))
     metrics = reporting.MetricsWriter(config.metrics_file if chief else None,
-                                      run.step.metric_names())
+                                      run.step.metric_names("train"),
+                                      run.step.metric_names("test"))
     position = run.position
     metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
     while position.epoch < config.epochs:
@@ -106,8 +108,8 @@ def _train(run, log, stop):
             raise _interrupted(stop, position, path)
 
     history = [record.as_dict() for record in position.history]
-    if not chief:  # The chief's checkpoint may not be visible here yet.
-        return {"history": history, "restored": None}
+    if not chief or not run.step.evaluates:  # No test step, or the chief's checkpoint
+        return {"history": history, "restored": None}  # may not be visible here yet.
     latest = run.manager.latest()
     restored = evaluate_checkpoint(latest[0], run.dataset, run.model_fn, run.loss_fn,
                                    run.compute_loss, run.global_batch,
@@ -160,15 +162,15 @@ class _Run:
                 optimizer_fn, config.learning_rate, loss_fn, compute_loss,
                 precision=config.precision)
             # Whether the optimizer may skip steps: the epoch lines then count them.
-            self.dynamic_loss_scale = isinstance(self.model.optimizer,
-                                                 keras.optimizers.LossScaleOptimizer)
+            self.dynamic_loss_scale = any(isinstance(o, keras.optimizers.LossScaleOptimizer)
+                                          for o in self.step.optimizers)
             building.check_labels(dataset, self.model)
             self.position, self.note, steps = _resume_position(config, self.manager,
                                                                self.model, self.step)
             self.steps = self.steps if self.steps is not None else steps
             self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
                                                self.global_batch)
-            self.engine.compile_steps(self.step, self.model.optimizer)
+            self.engine.compile_steps(self.step)
         except BaseException:
             self.manager.release()
             raise
@@ -185,12 +187,15 @@ class _Run:
         batches = self.dataset.train.train(
             self.global_batch, seed=self.config.seed, epoch=epoch, start_step=first_step,
             limit=self.limit, shard=self.engine.shard)
+        with_draws = draws.attach(batches, self.step.draws["train"], self.config.seed,
+                                  draws.TRAIN, epoch, first_step, self.global_batch,
+                                  base.worker_rows(self.global_batch, self.engine.shard))
         progress = (reporting.ProgressBar(self.steps, first_step) if self.config.progress
                     else None)
         on_step = _step_callback(self.step, epoch, first_step, self.global_batch, progress)
         totals = position.totals if position.totals is not None else zero_totals(self.step)
         try:
-            totals, done = run_steps(self.engine, self.engine.train_chunk, batches, totals,
+            totals, done = run_steps(self.engine, self.engine.train_chunk, with_draws, totals,
                                      on_step, stop.poll, self.train_chunk)
         finally:
             if progress is not None:
@@ -201,8 +206,9 @@ class _Run:
         if self.steps is None:  # Its length is known now.
             self.steps = first_step + done
         seconds = time.perf_counter() - start if done else None  # None: all trained before.
-        test = evaluate_source(self.engine, self.step, self.dataset.test, self.global_batch,
-                               self.config.steps_per_execution)
+        test = (evaluate_source(self.engine, self.step, self.dataset.test, self.global_batch,
+                                self.config.steps_per_execution, self.config.seed)
+                if self.step.evaluates else {})
         record = records.EpochRecord(
             epoch + 1, self.step.results(totals), test, seconds,
             done * self.global_batch / seconds if done else None,
@@ -263,10 +269,11 @@ def _step_callback(step, epoch, first_step, global_batch, progress):
 
     def on_step(done, stats, totals, chunk_end):
         step_in_epoch = first_step + done
-        if not math.isfinite(float(stats["loss_sum"])):
-            raise TrainingError(
-                f"non-finite loss at epoch {epoch + 1}, step {step_in_epoch}; stopping. "
-                "Checkpoints written before stay valid; try a lower --learning-rate")
+        for name in step.scalar_keys:  # The loss, or what a step of your own returns.
+            if not math.isfinite(float(stats[f"{name}_sum"])):
+                raise TrainingError(
+                    f"non-finite {name} at epoch {epoch + 1}, step {step_in_epoch}; stopping. "
+                    "Checkpoints written before stay valid; try a lower --learning-rate")
         if progress is not None and chunk_end:
             rate = done * global_batch / (time.perf_counter() - start)
             progress.update(step_in_epoch, step.results(totals), rate)
@@ -296,7 +303,10 @@ def evaluate_checkpoint(
                                          model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
                                          train=False, precision=precision)
     checkpoints.restore(model, path, hint="evaluate it with the model it was trained with")
+    if not step.evaluates:
+        raise UsageError(f"{type(model).__name__} defines train_step but no test_step; "
+                         "define test_step(data) to evaluate it")
     building.check_labels(prepared, model, splits=("test",))
-    engine.compile_steps(step, model.optimizer)
+    engine.compile_steps(step)
     results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution)
     return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})

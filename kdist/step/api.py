@@ -1,0 +1,82 @@
+"""The gradient primitives of a step written once for every backend.
+
+Inside a `train_step` (or `test_step`) that kdist runs, with `keras.ops` only:
+
+    loss, grads = kdist.value_and_grad(loss_fn, model.trainable_variables)
+    optimizer.apply(grads, model.trainable_variables)
+
+The scaling rule: gradients with respect to variables are averaged over
+every replica of every worker. A step computes its losses on the batch its
+replica sees, as on one device; for a loss that is a mean over that batch
+(Keras' losses, `keras.ops.mean`), the average over replicas of equal
+batches is the gradient one device computes on the whole global batch.
+Gradients with respect to tensors of the step (an input, for a gradient
+penalty) are each replica's own, one per example, and can be nested inside
+the loss of an outer `value_and_grad`.
+"""
+
+from typing import Any
+
+import keras
+
+from kdist.errors import UsageError
+from kdist.step import context as step_context
+
+
+def value_and_grad(fn: Any, wrt: Any) -> tuple[Any, Any]:
+    """(what `fn` returns, the gradients of its loss with respect to `wrt`).
+
+    Args:
+        fn: returns the loss, a scalar, or a tuple whose first item is the
+            loss and the rest anything to take along (predictions...). It
+            is called with the tensors among `wrt`, in order, as its
+            arguments; variables are read through the layers that hold them.
+        wrt: a `keras.Variable` or tensor, or a list or tuple of them.
+
+    Returns the gradients in the structure of `wrt`. A variable's gradient
+    is averaged over replicas and workers (the module's scaling rule), or
+    None where the loss does not read the variable (as
+    `tf.GradientTape.gradient`; `optimizer.apply` skips it). A loss that
+    reads none of the variables, or does not depend on a tensor named, is a
+    `UsageError`.
+    """
+    context = step_context.current()
+    items = list(wrt) if isinstance(wrt, (list, tuple)) else [wrt]
+    is_variable = [isinstance(item, keras.Variable) for item in items]
+    variables = [item for item, var in zip(items, is_variable) if var]
+    tensors = [item for item, var in zip(items, is_variable) if not var]
+    if variables and context.depth:
+        raise UsageError("kdist.value_and_grad with respect to variables inside the loss of "
+                         "another value_and_grad; nest gradients with respect to tensors "
+                         "only (a gradient penalty's input)")
+    context.depth += 1
+    try:
+        value, var_grads, tensor_grads = context.primitives.value_and_grad(
+            context, fn, variables, tensors)
+    finally:
+        context.depth -= 1
+    if variables and all(g is None for g in var_grads):
+        raise UsageError("the loss given to kdist.value_and_grad reads none of the variables "
+                         f"it is differentiated with respect to ({_names(variables)}); pass "
+                         "the variables of the model that computes it")
+    if any(g is None for g in tensor_grads):
+        raise UsageError("the loss given to kdist.value_and_grad does not depend on a tensor "
+                         "it is differentiated with respect to; pass that tensor to the "
+                         "model inside the function, as its argument")
+    if variables and not context.dry:
+        var_grads = context.primitives.mean_over_replicas(var_grads)
+    var_iter, tensor_iter = iter(var_grads), iter(tensor_grads)
+    grads = [next(var_iter) if var else next(tensor_iter) for var in is_variable]
+    if isinstance(wrt, (list, tuple)):
+        return value, type(wrt)(grads)
+    return value, grads[0]
+
+
+def grad(fn: Any, wrt: Any) -> Any:
+    """The gradients of `value_and_grad(fn, wrt)`, without the value."""
+    return value_and_grad(fn, wrt)[1]
+
+
+def _names(variables):
+    names = [v.path for v in variables[:3]]
+    return ", ".join(names) + (f" and {len(variables) - 3} more" if len(variables) > 3 else "")

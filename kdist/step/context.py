@@ -1,0 +1,204 @@
+"""The context a step runs in: its scope, its random draws, and the engine's primitives.
+
+An engine runs a step (`kdist.step.program.Program`) by opening a
+`StepContext` around the step's Python function. While it is open, the
+public primitives (`kdist.value_and_grad`, `kdist.random`) find it with
+`current()` and call the engine's `Primitives`; outside one they raise.
+The context lives in a `contextvars.ContextVar`, so nothing is global and
+a context belongs to the thread that traces the step.
+
+Every step runs inside a `StepScope`, a `keras.StatelessScope`: what the
+step assigns to a variable is recorded there, and the engine decides what
+becomes of it (`updates`). The metrics start each step from their reset
+values (their change is the step's statistic, `kdist.step.program`). Only
+optimizers change weights: a step that assigns a trainable or optimizer
+variable itself gets a `UsageError`, because kdist keeps the replicas equal
+by applying the same averaged gradients on each.
+"""
+
+import contextlib
+import contextvars
+from typing import Any, Protocol
+
+import keras
+import numpy as np
+from keras.src.backend.common import global_state  # The active StatelessScope lives here.
+
+from kdist.errors import UsageError
+
+_ACTIVE: contextvars.ContextVar["StepContext | None"] = contextvars.ContextVar(
+    "kdist_step", default=None)
+
+
+class Primitives(Protocol):
+    """What differs per backend inside a step; each engine module provides one."""
+
+    applies_in_scope: bool
+    """Whether an optimizer's `apply` runs inside the step's scope (JAX: stateless,
+    its updates are the scope's) or outside it, on the variables in place
+    (TensorFlow, torch: Keras' optimizers there update the variables' own tensors)."""
+
+    def value_and_grad(self, context: "StepContext", fn: Any, variables: list,
+                       tensors: list, /) -> tuple[Any, list, list]:
+        """(fn's value, gradients for `variables`, gradients for `tensors`) of the
+        loss `fn(*tensors)` returns; None for a variable the loss does not read.
+        The gradients are this program's own: `kdist.step.api` averages them."""
+
+    def mean_over_replicas(self, grads: list, /) -> list:
+        """Gradients averaged over every replica of every worker (None stays None)."""
+
+    def apply(self, context: "StepContext", optimizer: Any, apply: Any, grads: list,
+              variables: list | None, /) -> Any:
+        """Applies `grads` to `variables` (None: all the optimizer's) with `optimizer`,
+        whose Keras `apply` is `apply`, inside `context.optimizer_applying()`."""
+
+
+class StepScope(keras.StatelessScope):
+    """The step's `keras.StatelessScope`: records reads and refuses direct weight writes.
+
+    `mapping` holds (variable, value) pairs as for `keras.StatelessScope`;
+    `parent` (a `StepScope`) gives a child scope the parent's values first.
+    """
+
+    def __init__(self, context, mapping=(), parent=None):
+        super().__init__(state_mapping=list(mapping), collect_losses=True)
+        if parent is not None:
+            self.state_mapping = {**parent.state_mapping, **self.state_mapping}
+        self.initial = dict(self.state_mapping)
+        self.context, self.parent = context, parent
+        self.reads: set[int] = set()
+
+    def __exit__(self, *exception):
+        if self.parent is not None:  # What a nested function read, its caller read.
+            self.parent.reads |= self.reads
+        return super().__exit__(*exception)
+
+    def get_current_value(self, variable):
+        """The variable's value in the step: the scope's, else the variable's own
+        (which Keras reads itself where a scope holds no value, except for
+        regularizers, which expect one)."""
+        self.reads.add(id(variable))
+        value = super().get_current_value(variable)
+        return getattr(variable, "_value", None) if value is None else value
+
+    def add_update(self, update):
+        variable, _ = update
+        if id(variable) in self.context.guarded and not self.context.applying:
+            raise UsageError(
+                f"the step assigns {variable.path!r} itself; in a kdist step only an "
+                "optimizer changes weights and optimizer state: pass gradients to "
+                "optimizer.apply(grads, variables)")
+        super().add_update(update)
+
+    def changed(self):
+        """{variable id: value} assigned in this scope since it opened."""
+        return {key: value for key, value in self.state_mapping.items()
+                if self.initial.get(key) is not value}
+
+
+class StepContext:
+    """One run of a step function: the engine's primitives, the draws, what it did.
+
+    Args:
+        primitives: the engine's `Primitives`.
+        guarded: ids of the variables only optimizers may assign.
+        draws: the arrays `kdist.random` hands out, in call order (`kdist.step.draws`).
+        dry: the building run (`kdist.step.program.Program.build`): no
+            collectives, optimizers only build, draws are recorded.
+    """
+
+    def __init__(self, primitives, guarded=frozenset(), draws=(), dry=False):
+        self.primitives = primitives
+        self.guarded = guarded
+        self.draws = list(draws)
+        self.dry = dry
+        self.recorded_draws: list[tuple[str, tuple]] = []  # (kind, row shape), when dry.
+        self.draws_taken = 0
+        self.skipped: list[Any] = []  # Per LossScaleOptimizer.apply: 1.0 where it skipped.
+        self.depth = 0  # `value_and_grad` calls in progress.
+        self.applying = False  # Inside an optimizer's `apply`.
+        self.rows: int | None = None  # The rows of the batch the step sees.
+
+    @contextlib.contextmanager
+    def active(self, mapping=()):
+        """Opens this context and the step's `StepScope`; yields the scope."""
+        token = _ACTIVE.set(self)
+        try:
+            with StepScope(self, mapping) as scope:
+                yield scope
+        finally:
+            _ACTIVE.reset(token)
+
+    @contextlib.contextmanager
+    def optimizer_applying(self, leave_scope=None):
+        """Marks an optimizer's `apply` (or its building, with `leave_scope`); where
+        the engine's optimizers update their variables in place, the step's
+        scope is left for its duration."""
+        self.applying = True
+        scope = global_state.get_global_attribute("stateless_scope")
+        if leave_scope or (leave_scope is None and not self.primitives.applies_in_scope):
+            global_state.set_global_attribute("stateless_scope", None)
+        try:
+            yield
+        finally:
+            global_state.set_global_attribute("stateless_scope", scope)
+            self.applying = False
+
+
+def current():
+    """The open `StepContext`; a `UsageError` outside a step that kdist runs."""
+    context = _ACTIVE.get()
+    if context is None:
+        raise UsageError("kdist.value_and_grad, kdist.grad and kdist.random work inside a "
+                         "train_step or test_step that kdist runs (train_and_evaluate, "
+                         "kdist-train)")
+    return context
+
+
+def active_or_none():
+    return _ACTIVE.get()
+
+
+def current_scope():
+    """The innermost `StepScope` open now."""
+    scope = global_state.get_global_attribute("stateless_scope")
+    if not isinstance(scope, StepScope):
+        raise UsageError("kdist's primitives run inside the step's own scope; do not open "
+                         "a keras.StatelessScope inside a kdist step")
+    return scope
+
+
+@contextlib.contextmanager
+def substituted(pairs):
+    """A child scope of the current one in which `pairs` (variable, value) hold;
+    what the child assigns to other variables reaches the parent on exit."""
+    parent = current_scope()
+    with StepScope(parent.context, pairs, parent=parent) as child:
+        yield child
+    overridden = {id(v) for v, _ in pairs}
+    propagate(parent, child, overridden)
+
+
+def propagate(parent, child, skip=frozenset(), values=None):
+    """Copies `child`'s assignments (or `values`, {id: value} in their place) into
+    `parent`, with its losses; `skip` holds ids left out."""
+    changed = child.changed() if values is None else values
+    for key, value in changed.items():
+        if key not in skip:
+            parent.state_mapping[key] = value
+    parent.losses.extend(child.losses)
+
+
+def loss_of(value):
+    """The loss in what a differentiated function returns: the value itself, or the
+    first item of a tuple or list."""
+    loss = value[0] if isinstance(value, (tuple, list)) else value
+    if len(keras.ops.shape(loss)) != 0:
+        raise UsageError(f"the function given to kdist.value_and_grad returns a loss of shape "
+                         f"{tuple(keras.ops.shape(loss))}; return a scalar (e.g. its "
+                         "keras.ops.mean), or a tuple whose first item is one")
+    return loss
+
+
+def host_array(value):
+    return np.asarray(keras.ops.convert_to_numpy(value))

@@ -1,0 +1,272 @@
+"""A step program: a model's train and test steps, as every engine runs them.
+
+A `Program` wraps one `keras.Model` that holds everything a step uses: its
+layers and sub-models, its optimizers (attributes, or the compiled one),
+its metrics. Its steps are the model's own `train_step(data)` and
+`test_step(data)` where the model's class defines them, written with
+`keras.ops` and kdist's primitives (`kdist.step.api`, `kdist.random`), or
+else kdist's step for a model compiled for `fit` (`kdist.step.compiled`),
+which is one user of the same primitives.
+
+An engine runs a step with `run(primitives, training, batch, mapping)`
+inside its own program (a replica function, a jitted function, a process),
+and gets back the step's statistics, summed later over replicas, workers
+and steps (`kdist.loop.chunks`), and the step's scope, whose assignments it
+keeps (`kdist.step.context.StepScope.changed`). The statistics are:
+
+- `count`: the examples the step saw; `skipped`: 1 where a
+  `LossScaleOptimizer` skipped its update (non-finite gradients), counted
+  once per step by the engine;
+- `<name>_sum` for each scalar the step returns (not a metric's result):
+  its value times the examples, so totals give the example-weighted mean;
+- `metric_NNN` for each metric variable: the change the step made to it
+  from its reset value. Keras metrics merge by summing their variables
+  (their declared `aggregation`), so the sum over replicas, workers and
+  steps is the state one metric would hold after seeing every example once;
+  `results` reads it through the metrics' own `result()`.
+"""
+
+from typing import Any
+
+import keras
+import numpy as np
+from keras import ops
+
+from kdist import tree
+from kdist.errors import UsageError
+from kdist.step import compiled
+from kdist.step import context as step_context
+from kdist.step.optimizer import skipped
+
+PHASES = ("train", "test")
+
+
+def metric_key(index):
+    return f"metric_{index:03d}"
+
+
+class Program:
+    """The steps of `model`, ready for an engine.
+
+    Args:
+        model: a `keras.Model` whose class defines `train_step(data)` (and
+            optionally `test_step(data)`) with kdist's primitives, or a model
+            compiled for `fit` (optimizer, loss, metrics).
+        compute_loss: for a compiled model only: `fn(model, x, y, training) ->
+            (per-example losses, y_pred)` in place of the compiled loss.
+        train: whether the program trains (False: evaluation only).
+    """
+
+    def __init__(self, model, compute_loss=None, train=True):
+        self.model = model
+        own = defines(model, "train_step")
+        if own and compute_loss is not None:
+            raise UsageError("compute_loss= is for a model compiled for fit; a model with its "
+                             "own train_step computes its loss there")
+        self.steps: dict[str, Any] = {
+            "train": model.train_step if own else (
+                lambda data: compiled.train_step(model, data, compute_loss)),
+            "test": model.test_step if defines(model, "test_step") else None if own else (
+                lambda data: compiled.test_step(model, data, compute_loss)),
+        }
+        self.trains = train and (own or getattr(model, "optimizer", None) is not None)
+        self.optimizers = _optimizers(model)
+        for optimizer in self.optimizers:
+            _wrap_apply(optimizer)
+        self.metrics = compiled.reported_metrics(model)
+        self.metric_variables = [v for m in self.metrics for v in m.variables]
+        for variable in self.metric_variables:
+            if getattr(variable, "aggregation", "sum") != "sum":
+                raise UsageError(
+                    f"metric variable {variable.path!r} is aggregated by "
+                    f"{variable.aggregation!r}; kdist merges metrics over replicas and "
+                    "steps by summing their variables, as Keras' own metrics declare")
+        self.reset_values = [np.array(v.numpy()) for v in self.metric_variables]
+        metric_ids = {id(v) for v in self.metric_variables}
+        self.variables = _unique(
+            [v for v in model.trainable_variables + model.non_trainable_variables
+             + [v for o in self.optimizers for v in o.variables] if id(v) not in metric_ids])
+        """Every variable the steps read or change, but the metrics'."""
+        self.guarded = frozenset(id(v) for v in model.trainable_variables) | frozenset(
+            id(v) for o in self.optimizers for v in o.variables)
+        self.names: dict[str, list[str]] = {"train": [], "test": []}
+        self.draws: dict[str, list] = {"train": [], "test": []}
+        self.scalar_keys: list[str] = []
+        self.keys: tuple[str, ...] = ()
+
+    @property
+    def evaluates(self):
+        """Whether the program has a test step."""
+        return self.steps["test"] is not None
+
+    def build(self, engine, sample):
+        """Runs each step once, eagerly, on `sample` rows (x, y, sample_weight), in
+        `engine`'s scope, keeping nothing: it builds the optimizers on the
+        variables they are applied to and learns what the steps return and
+        draw. Call before restoring a checkpoint (its optimizer state needs
+        the built optimizers) and before `engine.compile_steps(program)`."""
+        by_name = self._metric_names()
+        own = defines(self.model, "train_step")
+        scalars: dict[str, None] = {}
+        for phase in PHASES:
+            if self.steps[phase] is None or (phase == "train" and not (self.trains or own)):
+                continue  # (A model's own train step builds its optimizers, even to evaluate.)
+            context = step_context.StepContext(engine.primitives(), self.guarded, dry=True)
+            with engine.scope():
+                tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
+                logs, _ = self._call(context, phase, tensors + ((),))
+            self.names[phase] = list(logs)
+            self.draws[phase] = context.recorded_draws
+            for name, value in logs.items():
+                if name not in by_name:
+                    if value is None or len(ops.shape(value)) != 0:
+                        raise UsageError(
+                            f"the {phase}_step returns {name!r} of shape "
+                            f"{None if value is None else tuple(ops.shape(value))}; return "
+                            "scalars (kdist averages them over examples, replicas and "
+                            "workers) or the results of the model's metrics")
+                    scalars[name] = None
+        self.scalar_keys = list(scalars)
+        # A model of sub-models is never called itself: its layers are built now, so
+        # Keras may save its weights.
+        self.model.built = True
+        self.keys = ("count", "skipped") + tuple(f"{k}_sum" for k in self.scalar_keys) + tuple(
+            metric_key(i) for i in range(len(self.metric_variables)))
+
+    def run(self, primitives, training, batch, mapping=()):
+        """Runs the train (or test) step on `batch`, (x, y, sample_weight, draws),
+        inside a `StepContext`; `mapping` gives (variable, value) pairs the
+        step reads in place of the variables. Returns (statistics, scope)."""
+        phase = "train" if training else "test"
+        context = step_context.StepContext(primitives, self.guarded,
+                                           batch[3] if len(batch) > 3 else ())
+        logs, scope = self._call(context, phase, batch, mapping)
+        if context.draws_taken != len(context.draws):
+            raise UsageError(f"the {phase}_step made {context.draws_taken} kdist.random draws "
+                             f"where its first run made {len(context.draws)}; draw the same "
+                             "each step")
+        return self._statistics(logs, scope, context), scope
+
+    def _call(self, context, phase, batch, mapping=()):
+        x, y, sample_weight = batch[:3]
+        context.rows = int(ops.shape(tree.leaves(x)[0])[0])
+        data = (x, y) if sample_weight is None else (x, y, sample_weight)
+        resets = [(v, ops.convert_to_tensor(r))
+                  for v, r in zip(self.metric_variables, self.reset_values)]
+        with context.active(list(mapping) + resets) as scope:
+            logs = self.steps[phase](data)
+        if not isinstance(logs, dict):
+            raise UsageError(f"the {phase}_step returns {type(logs).__name__}; return a dict "
+                             "of scalars or metric results, as Keras' train_step does")
+        return logs, scope
+
+    def _statistics(self, logs, scope, context):
+        rows = ops.cast(context.rows, "float32")
+        stats = {"count": rows, "skipped": (
+            ops.max(ops.stack(context.skipped)) if context.skipped
+            else ops.zeros((), "float32"))}
+        for key in self.scalar_keys:
+            value = logs.get(key)
+            stats[f"{key}_sum"] = (ops.zeros((), "float32") if value is None
+                                   else ops.cast(value, "float32") * rows)
+        for i, (variable, reset) in enumerate(zip(self.metric_variables, self.reset_values)):
+            stats[metric_key(i)] = (ops.cast(scope.get_current_value(variable), "float32")
+                                    - ops.convert_to_tensor(reset, "float32"))
+        return stats
+
+    def _metric_names(self):
+        """{result name: metric} of the metrics' results, read at their reset state."""
+        names = {}
+        for metric in self.metrics:
+            value = metric.result()
+            for name in (value if isinstance(value, dict) else [metric.name]):
+                names[name] = metric
+        return names
+
+    def results(self, totals, phase="train"):
+        """{name: value} of summed statistics, in the order the step returns them:
+        a metric's merged result, or a scalar's example-weighted mean."""
+        count = float(totals["count"])
+        mapping = [(v, (reset + np.asarray(totals[metric_key(i)])).astype(reset.dtype))
+                   for i, (v, reset) in enumerate(zip(self.metric_variables, self.reset_values))]
+        merged = {}
+        with keras.StatelessScope(state_mapping=mapping):  # Reads these; assigns nothing.
+            for metric in self.metrics:
+                value = metric.result()
+                values = value if isinstance(value, dict) else {metric.name: value}
+                merged.update({k: float(np.asarray(keras.ops.convert_to_numpy(v)))
+                               for k, v in values.items()})
+        return {name: merged[name] if name in merged else
+                float(totals[f"{name}_sum"]) / count for name in self.names[phase]}
+
+    def metric_names(self, phase="train"):
+        """The names `results` gives for `phase`."""
+        return list(self.names[phase])
+
+    def statistic_shapes(self):
+        """{key: shape} of the statistics a step returns (`keys`, in order)."""
+        shapes = [()] * (len(self.keys) - len(self.reset_values)) + [
+            np.shape(r) for r in self.reset_values]
+        return dict(zip(self.keys, shapes))
+
+    def zero_statistics(self):
+        """Statistics of a step that counts nothing (a skipped padding step)."""
+        return {key: ops.zeros(shape, "float32") for key, shape in self.statistic_shapes().items()}
+
+
+def defines(model, name):
+    """Whether a class of `model` below `keras.Model` defines method `name`."""
+    for cls in type(model).__mro__:
+        if cls is keras.Model or cls.__module__.startswith("keras."):
+            return False
+        if name in vars(cls):
+            return True
+    return False
+
+
+def _optimizers(model):
+    """The model's optimizers: the compiled one and any held as an attribute, or in a
+    list or dict attribute."""
+    found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
+    for value in vars(model).values():
+        values = value.values() if isinstance(value, dict) else (
+            value if isinstance(value, (list, tuple)) else [value])
+        found += [v for v in values if isinstance(v, keras.optimizers.Optimizer)]
+    return _unique(found)
+
+
+def _unique(items):
+    return list({id(item): item for item in items}.values())
+
+
+def _wrap_apply(optimizer):
+    """Routes `optimizer.apply` through the step's context (once per optimizer).
+
+    In a step kdist runs: the building run only builds the optimizer on the
+    variables it is applied to; a real step leaves out variables without a
+    gradient (as Keras does), records whether a `LossScaleOptimizer` skips
+    the update, and applies it where the engine's optimizers work
+    (`StepContext.optimizer_applying`). Outside a kdist step, `apply` is Keras'."""
+    if getattr(optimizer, "_kdist_apply", None) is not None:
+        return
+    original = optimizer.apply
+    optimizer._kdist_apply = original
+
+    def apply(grads, trainable_variables=None):
+        context = step_context.active_or_none()
+        if context is None or context.applying:  # Outside kdist, or Keras' own call.
+            return original(grads, trainable_variables)
+        if trainable_variables is not None:
+            pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+            grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if context.dry:
+            if not optimizer.built:
+                with context.optimizer_applying(leave_scope=True):
+                    optimizer.build(trainable_variables)
+            return None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            context.skipped.append(skipped(optimizer, grads))
+        return context.primitives.apply(context, optimizer, original, grads,
+                                        trainable_variables)
+
+    optimizer.apply = apply

@@ -1,0 +1,112 @@
+"""The steps of `examples/`, written once with kdist's primitives, on this backend:
+2 replicas train to the weights of 1, a resumed run to those of an uninterrupted
+one, and the mistakes a step can make end in one clear error.
+
+(The backends against each other: `test_cross_backend.py`.)
+"""
+
+import keras
+import numpy as np
+import pytest
+from example_steps import (
+    EXAMPLES,
+    LEARNING_RATE,
+    assert_same,
+    config,
+    dataset,
+    fixed,
+    train,
+    weights,
+)
+
+import kdist
+from kdist.errors import Interrupted, UsageError
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_two_replicas_train_to_the_weights_of_one(tmp_path, name):
+    one, one_path = train(name, 1, tmp_path / "one")
+    two, two_path = train(name, 2, tmp_path / "two")
+    assert_same(one_path, two_path, 1e-5)
+    for key, value in one["history"][0].items():  # The same epoch line, test included.
+        if key.startswith(("train_", "test_")):
+            assert two["history"][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+class _StopAfter:
+    """A stop request that turns true after `polls` polls (one per chunk of steps)."""
+
+    def __init__(self, polls):
+        self.polls = polls
+
+    def __bool__(self):
+        self.polls -= 1
+        return self.polls < 0
+
+
+@pytest.mark.skipif(keras.backend.backend() == "torch",
+                    reason="torch's replica processes stop on a signal: test_torch.py")
+def test_a_gan_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(tmp_path):
+    _, whole = train("dcgan", 2, tmp_path / "whole")
+    with pytest.raises(Interrupted):
+        train("dcgan", 2, tmp_path / "parts", stop=_StopAfter(1))
+    _, resumed = train("dcgan", 2, tmp_path / "parts")
+    assert_same(whole, resumed, 1e-6)
+
+
+def test_the_tutorial_step_of_your_own_equals_the_built_in_step(tmp_path):
+    _, own = train("tutorial_step", 2, tmp_path / "own")
+    kdist.train_and_evaluate(config(tmp_path / "built_in", 2, learning_rate=LEARNING_RATE),
+                             dataset(), model_fn=lambda: fixed(kdist.create_model()),
+                             optimizer_fn=kdist.OPTIMIZERS["sgd"], log=lambda line: None)
+    built_in = kdist.latest_checkpoint(str(tmp_path / "built_in"))
+    mine = {k[len("cnn/"):]: v for k, v in weights(own).items() if k.startswith("cnn/")}
+    theirs = {k: v for k, v in weights(built_in).items() if k.startswith("layers/")}
+    assert sorted(mine) == sorted(theirs) and mine
+    for key in mine:
+        np.testing.assert_allclose(mine[key], theirs[key], rtol=0, atol=1e-6, err_msg=key)
+
+
+class _Assigns(keras.Model):
+    """A step that writes a weight itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.other = keras.layers.Dense(10), keras.layers.Dense(3)
+        self.dense.build((None, 784))
+        self.other.build((None, 2))
+
+    def train_step(self, data):
+        self.dense.kernel.assign(self.dense.kernel * 0.5)
+        return {"loss": keras.ops.mean(self.dense(keras.ops.reshape(data[0], (-1, 784))))}
+
+
+class _WrongGradient(_Assigns):
+    """A step that differentiates a loss with respect to variables it never reads."""
+
+    def train_step(self, data):
+        loss, _ = kdist.value_and_grad(
+            lambda: keras.ops.mean(self.dense(keras.ops.reshape(data[0], (-1, 784)))),
+            self.other.trainable_variables)
+        return {"loss": loss}
+
+
+class _ReturnsVector(_Assigns):
+    def train_step(self, data):
+        return {"logits": self.dense(keras.ops.reshape(data[0], (-1, 784)))}
+
+
+@pytest.mark.parametrize("model_class, message", [
+    (_Assigns, "assigns '.*kernel' itself"),
+    (_WrongGradient, "reads none of the variables"),
+    (_ReturnsVector, "returns 'logits' of shape"),
+])
+def test_a_step_that_breaks_a_rule_is_one_clear_error(tmp_path, model_class, message):
+    with pytest.raises(UsageError, match=message):
+        kdist.train_and_evaluate(config(tmp_path, 1), dataset(), model_fn=model_class,
+                                 log=lambda line: None)
+
+
+def test_the_primitives_outside_a_kdist_step_say_where_they_work():
+    with pytest.raises(UsageError, match="inside a train_step or test_step that kdist runs"):
+        kdist.random.normal((2, 3))
