@@ -2,31 +2,46 @@
 
 `kdist.loop.training` runs one loop for every backend; everything backend-specific
 sits behind this interface, one module per backend (`kdist/engines/<name>.py`,
-class `Engine`). The division of work:
+class `Engine`, and the step primitives of that backend). The division of work:
 
 - The loop (`kdist.loop.training`) makes fixed-shape NumPy batches
-  `(x, y, sample_weight)` (x and y: arrays or tuples/dicts of them;
-  sample_weight: an array or None), groups K of them into a chunk, pads a
-  short last chunk with copies of its last batch, and stacks every array to
-  shape (K, batch, ...)
-  (`kdist.loop.chunks.stack_chunk`). It accounts statistics step by step, decides
-  when to checkpoint and when to stop.
-- The step's math (`kdist.step.compiled.Step`: forward pass, loss, its share of the
-  global batch, metrics) is one backend-agnostic function of the
-  variables' values and a batch.
-- The engine places a stacked chunk on its replicas (`distribute`; on
-  torch one replica per process, `kdist.loop.replicas`), runs
-  the chunk's first `num_steps` steps in one compiled call (`train_chunk`,
-  `eval_chunk`; the rest is padding, so every call has one shape): it
-  differentiates the step's loss, sums the gradients over replicas, lets
-  the optimizer apply the sum, keeps the non-trainable updates, and returns
-  each step's statistics summed over all replicas.
+  `(x, y, sample_weight, draws)` (x and y: arrays or tuples/dicts of them;
+  sample_weight: an array or None; draws: the step's `kdist.random` numbers
+  for the batch's rows, `kdist.step.draws`), groups K of them into a chunk,
+  pads a short last chunk with copies of its last batch, and stacks every
+  array to shape (K, batch, ...) (`kdist.loop.chunks`). It accounts
+  statistics step by step, decides when to checkpoint and when to stop.
+- The step is a `kdist.step.program.Program`: a model's own `train_step` and
+  `test_step`, or kdist's step for a model compiled for `fit`
+  (`kdist.step.compiled`), both Python functions written with `keras.ops`
+  and the public primitives (`kdist.value_and_grad`, `kdist.random`). Its
+  building run (`Program.build`) has run each step once, eagerly, before the
+  engine compiles it.
+- The engine places a stacked chunk on its replicas (`distribute`; on torch
+  one replica per process, `kdist.loop.replicas`) and runs the chunk's first
+  `num_steps` steps in one compiled call (`train_chunk`, `eval_chunk`; the
+  rest is padding, so every call has one shape). Each step, in each
+  replica's program (on JAX one program for the whole sharded batch), it
+  calls `program.run(primitives, training, batch, mapping)`, which runs the
+  step under a `kdist.step.context.StepContext` and its `StepScope`: the
+  step's `kdist.value_and_grad` calls the engine's primitives
+  (`primitives()`, a `kdist.step.context.Primitives`) to differentiate and
+  to average the variables' gradients over every replica of every worker,
+  and each optimizer's `apply` runs where that engine's optimizers update
+  their variables (`Primitives.apply`). The engine then keeps what the
+  step's scope assigned outside the optimizers (float variables such as
+  moving statistics averaged over replicas, the rest as assigned) and
+  returns each step's statistics summed over all replicas.
 
-Statistics are the dict of `Step.loss_and_updates`, keyed by `Step.keys`:
-per key, an array whose first axis holds the `num_steps` steps' values
-(any values after them belong to padding and are ignored). In a train step
-the engine sets `skipped` to `kdist.step.optimizer.skipped(optimizer, summed
-gradients)`, counted once per step whatever the replica count.
+Statistics are the dict `Program.run` returns, keyed by `Program.keys`:
+`count` (the examples the step saw), `skipped` (1.0 where a
+`LossScaleOptimizer` skipped its update; the engine lets one replica report
+it, so it counts once per step whatever the replica count), `<name>_sum`
+for each scalar the step returns (its value times the examples), and
+`metric_NNN` for each metric variable (the change the step made to it from
+its reset value). Per key, an array whose first axis holds the `num_steps`
+steps' values (any after them belong to padding and are ignored); the loop
+adds them up and `Program.results` turns the totals into what it reports.
 
 Each engine's `Engine` class declares this one as its base, so mypy (`nox -s
 lint`) checks its methods' signatures against these. The loop passes every
