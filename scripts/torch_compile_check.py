@@ -2,9 +2,9 @@
 
     python scripts/torch_compile_check.py eager|compile|fit|fitjit [STEPS]
 
-`eager` runs the step as the torch engine does (kdist's `Step`, then
-`torch.autograd.grad` and the Keras optimizer); `compile` the same with the
-forward pass under `torch.compile` (AOTAutograd compiles the backward);
+`eager` runs kdist's torch engine on one replica, step by step; `compile` the
+same with the model's forward pass under `torch.compile` (AOTAutograd
+compiles the backward);
 `fit` and `fitjit` Keras' own `fit`, without and with `jit_compile=True`.
 One process, the tutorial CNN, batches of 64 random images; prints the time
 of the first 10 steps and the samples/s of two passes of STEPS steps
@@ -22,8 +22,10 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kdist import engines  # noqa: E402
+from kdist.loop import building  # noqa: E402
+from kdist.loop.chunks import stack_chunk  # noqa: E402
 from kdist.models.cnn import create_model  # noqa: E402
-from kdist.step.compiled import Step, build_metrics  # noqa: E402
 
 BATCH = 64
 
@@ -46,25 +48,15 @@ def time_fit(model, x, y):
 
 
 def time_step(model, x, y, compiled):
-    model.optimizer.build(model.trainable_variables)
-    build_metrics(model, x[:2], y[:2])
-    step = Step(model, BATCH)
-    trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-
-    def forward(values, others, batch):
-        loss, _ = step.loss_and_updates(values, others, batch, True)
-        return loss
-
-    forward = torch.compile(forward, dynamic=False) if compiled else forward
+    if compiled:  # The forward pass; AOTAutograd compiles its backward.
+        model.call = torch.compile(model.call, dynamic=False)
+    engine = engines.create_engine(1)
+    _, program = building.prepare_model(engine, BATCH, (x[:2], y[:2], None), lambda: model)
+    engine.compile_steps(program)
 
     def one(k):
-        values = [v.value for v in trainable]
         rows = slice(k * BATCH, (k + 1) * BATCH)
-        loss = forward(values, [v.value for v in non_trainable],
-                       (torch.as_tensor(x[rows]), torch.as_tensor(y[rows]), None))
-        grads = torch.autograd.grad(loss, values)
-        with torch.no_grad():
-            model.optimizer.apply(grads, trainable)
+        engine.train_chunk(engine.distribute(stack_chunk([(x[rows], y[rows], None)])), 1)
 
     start, first = time.perf_counter(), min(10, len(x) // BATCH)
     for k in range(first):

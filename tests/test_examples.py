@@ -110,3 +110,39 @@ def test_a_step_that_breaks_a_rule_is_one_clear_error(tmp_path, model_class, mes
 def test_the_primitives_outside_a_kdist_step_say_where_they_work():
     with pytest.raises(UsageError, match="inside a train_step or test_step that kdist runs"):
         kdist.random.normal((2, 3))
+
+
+class _Scaled(_Assigns):
+    """A step of your own with dynamic loss scaling: its loss, about 1e5 (a kernel of
+    ones sums 784 pixels of about 0.5, squared), overflows float32 once scaled by 2**127."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense.kernel.assign(keras.ops.ones_like(self.dense.kernel))
+        self.opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01),
+                                                       initial_scale=2.0 ** 127)
+
+    def train_step(self, data):
+        x = keras.ops.reshape(data[0], (-1, 784))
+
+        def loss():
+            value = keras.ops.mean(keras.ops.square(self.dense(x)))
+            return self.opt.scale_loss(value), value
+
+        (_, value), grads = kdist.value_and_grad(loss, self.dense.trainable_variables)
+        self.opt.apply(grads, self.dense.trainable_variables)
+        return {"loss": value}
+
+
+def test_a_step_of_your_own_scales_its_loss_through_the_optimizer_and_counts_skips(tmp_path):
+    result = kdist.train_and_evaluate(config(tmp_path, 1), dataset(), model_fn=_Scaled,
+                                      log=lambda line: None)
+    # Each scaled step overflows: skipped, counted, and the scale halved; nothing applied.
+    record = result["history"][0]
+    assert record["skipped_steps"] == 3 and np.isfinite(record["train_loss"])
+    model = _Scaled()
+    model.opt.build(model.dense.trainable_variables)
+    model.built = True
+    model.load_weights(kdist.latest_checkpoint(str(tmp_path)))
+    assert float(model.opt.dynamic_scale) == 2.0 ** 124
+    assert np.all(keras.ops.convert_to_numpy(model.dense.kernel) == 1.0)

@@ -3,5 +3,6 @@
 WINDOWS = 4  # Steady epochs `kdist.bench.measure` times after the first.
 # How kdist-bench feeds kdist (`--input`): the arrays, or the same arrays through a pipeline.
 INPUTS = ("numpy", "tfdata", "pydataset", "grain")
-# --model's choices, in `kdist.bench.measure.MODELS`' order; the first is the default.
-MODELS = ("cnn", "cnn-stock", "resnet20")
+# --model's choices, in `kdist.bench.measure.MODELS`' order (then dcgan, which
+# `kdist.bench.gan` measures); the first is the default.
+MODELS = ("cnn", "cnn-stock", "resnet20", "dcgan")

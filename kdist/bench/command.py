@@ -38,9 +38,10 @@ def _add_bench_choices(parser):
     parser.add_argument("--model", choices=choices.MODELS, default=choices.MODELS[0],
                         help="the network: the tutorial CNN; the same with Keras' stock "
                              "Conv2D and MaxPooling2D (cnn-stock: what kdist's JAX layers "
-                             "gain); or ResNet-20 on synthetic 32x32x3 images of 10 classes "
-                             "(--data-dir and --synthetic apply to the CNNs only) "
-                             "(default: %(default)s)")
+                             "gain); ResNet-20 on synthetic 32x32x3 images of 10 classes "
+                             "(--data-dir and --synthetic apply to the others only); or "
+                             "examples/dcgan.py's GAN against fit with the train step "
+                             "Keras' guide writes for this backend (default: %(default)s)")
     parser.add_argument("--input", type=names(choices.INPUTS), default=("numpy",),
                         metavar="I[,I...]",
                         help="how kdist is fed the same arrays, each one table row: "
@@ -69,6 +70,12 @@ def _bench(args):
     from kdist.datasets import cifar_shaped
 
     dataset = cifar_shaped.synthetic_cifar() if args.model == "resnet20" else common.load_data(args)
+    if args.model == "dcgan":
+        from kdist.bench import gan
+
+        gan.run(dataset, args.replicas, args.batch_size_per_replica, args.steps, args.windows,
+                log=common.log)
+        return 0
     measure.run(dataset, args.replicas, args.batch_size_per_replica, args.steps,
               args.windows, args.steps_per_execution, log=common.log, precisions=args.precision,
               model=args.model, fit=args.fit, measure_peak=args.peak, input_kinds=args.input)

@@ -60,11 +60,12 @@ if TYPE_CHECKING:
     from kdist.step.context import Primitives
     from kdist.step.program import Program
 
-Batch = tuple[Any, Any, Any]
-"""(x, y, sample_weight) of NumPy arrays: x and y an array or a tuple, list or
-dict of arrays, sample_weight an array or None."""
+Batch = tuple[Any, ...]
+"""(x, y, sample_weight, draws) of NumPy arrays: x and y an array or a tuple, list or
+dict of arrays, sample_weight an array or None, draws a tuple of arrays (those of
+`kdist.random`, `kdist.step.draws`; a batch of three has none)."""
 Statistics = dict[str, Any]
-"""Per key of `Step.keys`, an array (the framework's or NumPy's)."""
+"""Per key of `Program.keys`, an array (the framework's or NumPy's)."""
 
 
 @runtime_checkable

@@ -113,7 +113,8 @@ def _train(run, log, stop):
     latest = run.manager.latest()
     restored = evaluate_checkpoint(latest[0], run.dataset, run.model_fn, run.loss_fn,
                                    run.compute_loss, run.global_batch,
-                                   config.steps_per_execution, precision=config.precision)
+                                   config.steps_per_execution, precision=config.precision,
+                                   seed=config.seed)
     log(f"Restored {latest[0]} without distribution: "
         f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
@@ -288,14 +289,15 @@ def evaluate_checkpoint(
         compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
         batch_size: int = TrainConfig.batch_size_per_replica,
         steps_per_execution: int = TrainConfig.steps_per_execution, *,
-        precision: str = TrainConfig.precision) -> dict[str, Any]:
+        precision: str = TrainConfig.precision, seed: int = TrainConfig.seed) -> dict[str, Any]:
     """Restores `path` into a fresh model with no distribution and evaluates it.
 
     The model is built under dtype policy `precision` (`kdist.precision`):
     a checkpoint of any precision restores into any (its variables are
     float32). `dataset` is a `kdist.Dataset` or a `kdist.Inputs` (only its
-    test data is read). Returns {"restored": True, "checkpoint": path, "test_loss":
-    ..., and test_ each metric}.
+    test data is read). `seed` is the run's: a test step's `kdist.random`
+    draws come from it, as in each epoch's evaluation. Returns {"restored":
+    True, "checkpoint": path, "test_loss": ..., and test_ each metric}.
     """
     prepared = sources.prepare(dataset, splits=("test",))
     engine = engines.create_engine(distributed=False)
@@ -308,5 +310,6 @@ def evaluate_checkpoint(
                          "define test_step(data) to evaluate it")
     building.check_labels(prepared, model, splits=("test",))
     engine.compile_steps(step)
-    results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution)
+    results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution,
+                              seed)
     return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})

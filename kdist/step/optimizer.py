@@ -1,5 +1,5 @@
-"""What the engines ask of a Keras optimizer: the one inside a loss-scaling wrapper,
-the loss scale, whether a step is skipped, and the variables of its EMA."""
+"""What kdist asks of a Keras optimizer: the one inside a loss-scaling wrapper,
+whether a step is skipped, and the variables of its EMA."""
 
 import keras
 from keras import ops
@@ -11,33 +11,6 @@ def inner_optimizer(optimizer):
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         return optimizer.inner_optimizer
     return optimizer
-
-
-def scales_loss(optimizer):
-    """Whether `optimizer.scale_loss` changes the loss: a `LossScaleOptimizer`
-    (dynamic scale), or an optimizer with a fixed `loss_scale_factor`."""
-    return optimizer is not None and (
-        isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-        or getattr(optimizer, "loss_scale_factor", None) is not None)
-
-
-def loss_scale(optimizer, values=None):
-    """The factor a step multiplies its loss by before differentiating, or None.
-
-    It is Keras' `optimizer.scale_loss`, as `fit` applies it: the current
-    dynamic scale of a `LossScaleOptimizer` (a float32 scalar), a fixed
-    `loss_scale_factor`, or None for an optimizer that does not scale (or
-    no optimizer). `values`, the values of `optimizer.variables`, are read
-    in place of the variables (JAX keeps the state as arrays); without
-    them the variables are read (TensorFlow, inside the traced step).
-    """
-    if not scales_loss(optimizer):
-        return None
-    one = ops.ones((), "float32")
-    if values is None:
-        return ops.cast(optimizer.scale_loss(one), "float32")
-    with keras.StatelessScope(state_mapping=list(zip(optimizer.variables, values))):
-        return ops.cast(optimizer.scale_loss(one), "float32")
 
 
 def skipped(optimizer, grads):

@@ -82,17 +82,23 @@ class Program:
                     f"{variable.aggregation!r}; kdist merges metrics over replicas and "
                     "steps by summing their variables, as Keras' own metrics declare")
         self.reset_values = [np.array(v.numpy()) for v in self.metric_variables]
-        metric_ids = {id(v) for v in self.metric_variables}
-        self.variables = _unique(
-            [v for v in model.trainable_variables + model.non_trainable_variables
-             + [v for o in self.optimizers for v in o.variables] if id(v) not in metric_ids])
-        """Every variable the steps read or change, but the metrics'."""
-        self.guarded = frozenset(id(v) for v in model.trainable_variables) | frozenset(
-            id(v) for o in self.optimizers for v in o.variables)
+        self._take_variables()
         self.names: dict[str, list[str]] = {"train": [], "test": []}
         self.draws: dict[str, list] = {"train": [], "test": []}
         self.scalar_keys: list[str] = []
         self.keys: tuple[str, ...] = ()
+
+    def _take_variables(self):
+        """`variables`: every variable the steps read or change, but the metrics';
+        `guarded`: the ids of those only optimizers may assign. Taken again once
+        `build` has built the optimizers (their state exists from then on)."""
+        model = self.model
+        metric_ids = {id(v) for v in self.metric_variables}
+        self.variables = _unique(
+            [v for v in model.trainable_variables + model.non_trainable_variables
+             + [v for o in self.optimizers for v in o.variables] if id(v) not in metric_ids])
+        self.guarded = frozenset(id(v) for v in model.trainable_variables) | frozenset(
+            id(v) for o in self.optimizers for v in o.variables)
 
     @property
     def evaluates(self):
@@ -130,6 +136,7 @@ class Program:
         # A model of sub-models is never called itself: its layers are built now, so
         # Keras may save its weights.
         self.model.built = True
+        self._take_variables()
         self.keys = ("count", "skipped") + tuple(f"{k}_sum" for k in self.scalar_keys) + tuple(
             metric_key(i) for i in range(len(self.metric_variables)))
 
