@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import time
+from typing import Any
 
 import keras
 
@@ -38,7 +39,7 @@ def load_example():
     if not os.path.exists(EXAMPLE):
         raise UsageError(f"--model dcgan runs {EXAMPLE}, which this installation lacks; "
                          "run kdist-bench from a kdist checkout")
-    spec = importlib.util.spec_from_file_location("kdist_bench_dcgan", EXAMPLE)
+    spec: Any = importlib.util.spec_from_file_location("kdist_bench_dcgan", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -98,7 +99,7 @@ def keras_gan(example):
     if step is None:
         return None
 
-    class GuideGAN(example.GAN):
+    class GuideGAN(example.GAN):  # type: ignore[name-defined]
         def __init__(self):
             super().__init__()
             self.latent, self.seeds = example.LATENT, keras.random.SeedGenerator(0)
@@ -134,7 +135,7 @@ def run(dataset, replicas, batch_size_per_replica, steps, windows, log=print):
     with engine.scope():
         theirs = keras_gan(example)
     source = ArraySource(dataset.train_x, dataset.train_y, None, "the training data")
-    times = {"kdist": [], "fit": []}
+    times: dict[str, list[float]] = {"kdist": [], "fit": []}
     count = steps * global_batch
     for epoch in range(1 + windows):
         start = time.perf_counter()
