@@ -69,7 +69,7 @@ class Worker:
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             self.last.append(line)
-            print(f"[worker {self.index}] {line}", flush=True)
+            _print_line(f"[worker {self.index}] {line}")
 
     def terminate(self):
         """SIGTERM: the worker stops after the step all workers agree on."""
@@ -84,6 +84,18 @@ class Worker:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self.reader.join(timeout=5)
+
+
+_OUTPUT = threading.Lock()  # The workers' pumps share this process's stdout.
+
+
+def _print_line(text):
+    """Prints `text` and its newline in one write, under a lock: `print` writes the
+    text and the newline apart, so another worker's pump could land between them
+    ("...h5[worker 1] interrupted" on one line)."""
+    with _OUTPUT:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
 
 
 def stop_all(workers, grace):
@@ -118,7 +130,7 @@ def start(num_workers, train_args):
         command = [*TRAIN, *train_args, "--peers", peers,
                    "--worker-index", str(index)]
         workers.append(Worker(index, command, env))
-        print(f"launch: worker {index} pid {workers[-1].proc.pid} ({peers})", flush=True)
+        _print_line(f"launch: worker {index} pid {workers[-1].proc.pid} ({peers})")
     return workers
 
 
