@@ -92,6 +92,18 @@ class _WrongGradient(_Assigns):
         return {"loss": loss}
 
 
+class _BackendOp(_Assigns):
+    """A step that calls the backend's own framework."""
+
+    def train_step(self, data):
+        import importlib
+
+        module, name = {"tensorflow": ("tensorflow", "reduce_mean"), "jax": ("jax.numpy", "mean"),
+                        "torch": ("torch", "mean")}[keras.backend.backend()]
+        mean = getattr(importlib.import_module(module), name)
+        return {"loss": mean(self.dense(keras.ops.reshape(data[0], (-1, 784))))}
+
+
 class _ReturnsVector(_Assigns):
     def train_step(self, data):
         return {"logits": self.dense(keras.ops.reshape(data[0], (-1, 784)))}
@@ -101,6 +113,7 @@ class _ReturnsVector(_Assigns):
     (_Assigns, "assigns '.*kernel' itself"),
     (_WrongGradient, "reads none of the variables"),
     (_ReturnsVector, "returns 'logits' of shape"),
+    (_BackendOp, r"the train_step calls (tensorflow|jax|torch)\S* \(.*test_examples.py:\d+\)"),
 ])
 def test_a_step_that_breaks_a_rule_is_one_clear_error(tmp_path, model_class, message):
     with pytest.raises(UsageError, match=message):

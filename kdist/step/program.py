@@ -26,6 +26,7 @@ keeps (`kdist.step.context.StepScope.changed`). The statistics are:
   `results` reads it through the metrics' own `result()`.
 """
 
+import contextlib
 from typing import Any
 
 import keras
@@ -34,7 +35,7 @@ from keras import ops
 
 from kdist import tree
 from kdist.errors import UsageError
-from kdist.step import compiled
+from kdist.step import compiled, portable
 from kdist.step import context as step_context
 from kdist.step.optimizer import skipped
 
@@ -120,7 +121,14 @@ class Program:
             context = step_context.StepContext(engine.primitives(), self.guarded, dry=True)
             with engine.scope():
                 tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
-                logs, _ = self._call(context, phase, tensors + ((),))
+                with portable.watching() if own else contextlib.nullcontext([]) as calls:
+                    logs, _ = self._call(context, phase, tensors + ((),))
+            if calls:
+                function, path, line = calls[0]
+                raise UsageError(
+                    f"the {phase}_step calls {function} ({path}:{line}); write a step with "
+                    "keras, keras.ops and kdist's primitives only, so that it runs on every "
+                    "backend")
             self.names[phase] = list(logs)
             self.draws[phase] = context.recorded_draws
             for name, value in logs.items():

@@ -1,0 +1,76 @@
+"""Whether a step of your own is written for every backend: the building run watches
+which framework functions the step's own code calls.
+
+A step runs on TensorFlow, JAX and torch only if its code calls `keras`,
+`keras.ops` and kdist's primitives, never a framework itself. While the
+building run (`kdist.step.program.Program.build`) calls the step,
+`watching` records each call that code outside Keras, kdist, the frameworks
+and Python's standard library (the step, its helpers, its layers) makes into
+TensorFlow, JAX or torch, with the file and line it comes from. Only calls
+it writes count: not the operators (`a + b` runs the framework's own
+addition), attributes or special methods (`__getattr__` of a torch module).
+The real steps run unwatched.
+"""
+
+import bisect
+import contextlib
+import dis
+import sys
+
+FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
+_NOT_YOURS = FRAMEWORKS + ("keras", "kdist", "numpy", "ml_dtypes", "optree", "absl")
+
+
+@contextlib.contextmanager
+def watching():
+    """Yields a list that fills with (function, file, line) of each framework call
+    made from your code while the context is open (this thread)."""
+    found: list[tuple[str, str, int]] = []
+    opcodes: dict = {}  # Per code object: its instructions' (offsets, names).
+    in_builtin: set[int] = set()  # Your frames inside a call to a builtin (sum, sorted).
+
+    def called(caller):
+        """Whether `caller` stands at a call it wrote (`f(x)`), not at an operator
+        (`a + b`, which runs the framework's operator) or an attribute. (Python
+        3.11 leaves `f_lasti` inside the call's inline cache: the instruction
+        is the last one at or before it.)"""
+        code = caller.f_code
+        if code not in opcodes:
+            instructions = list(dis.get_instructions(code))
+            opcodes[code] = ([i.offset for i in instructions], [i.opname for i in instructions])
+        offsets, names = opcodes[code]
+        index = bisect.bisect_right(offsets, caller.f_lasti) - 1
+        return index >= 0 and names[index].startswith(("CALL", "PRECALL"))
+
+    def yours(frame):
+        package = frame.f_globals.get("__name__", "").split(".")[0]
+        return package not in _NOT_YOURS and package not in sys.stdlib_module_names
+
+    def profile(frame, event, arg):
+        if event in ("c_return", "c_exception"):
+            in_builtin.discard(id(frame))
+            return
+        if event == "call":
+            callee, name, caller = frame.f_globals.get("__name__", ""), frame.f_code.co_name, \
+                frame.f_back
+        elif event == "c_call":
+            callee, name, caller = getattr(arg, "__module__", None) or "", \
+                getattr(arg, "__name__", "?"), frame
+        else:
+            return
+        if caller is None or not yours(caller):
+            return
+        if callee.split(".")[0] not in FRAMEWORKS:
+            if event == "c_call":  # A builtin may call the framework's operators for you.
+                in_builtin.add(id(caller))
+            return
+        if name.startswith("__") or id(caller) in in_builtin or not called(caller):
+            return  # A special method, an operator, or a builtin's doing.
+        found.append((f"{callee}.{name}", caller.f_code.co_filename, caller.f_lineno))
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield found
+    finally:
+        sys.setprofile(previous)
