@@ -121,7 +121,8 @@ class Program:
             context = step_context.StepContext(engine.primitives(), self.guarded, dry=True)
             with engine.scope():
                 tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
-                with portable.watching() if own else contextlib.nullcontext([]) as calls:
+                watch: Any = portable.watching() if own else contextlib.nullcontext([])
+                with watch as calls:
                     logs, _ = self._call(context, phase, tensors + ((),))
             if calls:
                 function, path, line = calls[0]
