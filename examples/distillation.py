@@ -71,8 +71,11 @@ def teacher_from(checkpoint):
 
 
 def model(args=None, teacher=None):
-    """The distiller around the teacher of checkpoint `teacher`, with `--learning-rate`."""
-    return Distiller(teacher_from(teacher), getattr(args, "learning_rate", None) or 1e-3)
+    """The distiller around the teacher of checkpoint `teacher` (None: an untrained
+    CNN, as to restore a checkpoint of the distiller, which holds the teacher too),
+    with `--learning-rate`."""
+    cnn = kdist.create_model() if teacher is None else teacher_from(teacher)
+    return Distiller(cnn, getattr(args, "learning_rate", None) or 1e-3)
 
 
 def main(argv=None):

@@ -5,6 +5,8 @@ one, and the mistakes a step can make end in one clear error.
 (The backends against each other: `test_cross_backend.py`.)
 """
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -160,3 +162,15 @@ def test_a_step_of_your_own_scales_its_loss_through_the_optimizer_and_counts_ski
     model.load_weights(kdist.latest_checkpoint(str(tmp_path)))
     assert float(model.opt.dynamic_scale) == 2.0 ** 124
     assert np.all(keras.ops.convert_to_numpy(model.dense.kernel) == 1.0)
+
+
+def test_kdist_evaluate_restores_a_step_of_your_own_from_its_file(tmp_path, capsys):
+    from example_steps import REPO
+
+    from kdist.cli import evaluate
+
+    _, path = train("dcgan", 1, tmp_path / "gan")
+    status = evaluate.main(["--checkpoint-dir", os.path.dirname(path), "--synthetic", "240",
+                            "--model", os.path.join(REPO, "examples", "dcgan.py")])
+    out = capsys.readouterr().out
+    assert status == 0 and f"{path}: Test d_loss: " in out and ", Test g_loss: " in out, out

@@ -18,8 +18,27 @@ def main(argv=None):
                     "with no distribution, on the backend chosen by KERAS_BACKEND, and "
                     "print its test accuracy.")
     common.add_data_flags(parser)
-    add_config_flags(parser, ["precision"])
+    add_config_flags(parser, ["precision", "seed"])
+    parser.add_argument("--model", metavar="FILE.py", default=None,
+                        help="a Python file whose function model() builds the model the "
+                             "checkpoint was trained with, a model of your own (e.g. "
+                             "examples/dcgan.py; default: the tutorial CNN)")
     return common.run(parser, argv, _evaluate)
+
+
+def model_function(path):
+    """The function `model` of the Python file at `path`."""
+    import importlib.util
+
+    if not os.path.isfile(path):
+        raise errors.UsageError(f"--model {path}: no such file")
+    spec = importlib.util.spec_from_file_location("kdist_evaluated_model", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    if not callable(getattr(module, "model", None)):
+        raise errors.UsageError(f"--model {path} defines no function model() that builds "
+                                "the model")
+    return module.model
 
 
 def _evaluate(args):
@@ -28,7 +47,9 @@ def _evaluate(args):
     if path is None:
         raise errors.CheckpointError(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
                                      "train first or pass --checkpoint-dir")
-    result = kdist.evaluate_checkpoint(path, common.load_data(args), precision=args.precision)
+    model_fn = model_function(args.model) if args.model else kdist.create_model
+    result = kdist.evaluate_checkpoint(path, common.load_data(args), model_fn=model_fn,
+                                       precision=args.precision, seed=args.seed)
     from kdist.loop import reporting  # Loads Keras: only after common.start.
 
     print(f"{path}: {reporting.format_results(result, 'test_')}")
