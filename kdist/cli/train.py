@@ -50,7 +50,7 @@ def main(argv=None, model_fn=None, description=None, after=None):
               else train_parser())
 
     def body(args):
-        status = _train(args, model_fn)
+        status = _train(args) if model_fn is None else _train(args, model_fn)
         if after is not None:
             after(args)
         return status
