@@ -50,9 +50,10 @@ LINT_TOOLS = ["ruff>=0.15", "mypy>=1.18"]
 
 @nox.session
 def lint(session):
-    """ruff (style, imports, bugs), mypy (types) and the import layers, on kdist/."""
+    """ruff (style, imports, bugs; on the tests, scripts and examples too), mypy (types)
+    and the import layers, on kdist/."""
     session.install("-e", ".", *LINT_TOOLS)
-    session.run("ruff", "check", "kdist", "tests", "scripts", "noxfile.py")
+    session.run("ruff", "check", "kdist", "tests", "scripts", "examples", "noxfile.py")
     session.run("mypy", "kdist")
     session.run("python", "scripts/import_graph.py")
 
