@@ -174,3 +174,22 @@ def test_kdist_evaluate_restores_a_step_of_your_own_from_its_file(tmp_path, caps
                             "--model", os.path.join(REPO, "examples", "dcgan.py")])
     out = capsys.readouterr().out
     assert status == 0 and f"{path}: Test d_loss: " in out and ", Test g_loss: " in out, out
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "no such file"),
+    ("def model(:\n", "does not run: SyntaxError"),
+    ("x = 1\n", "defines no function model()"),
+])
+def test_kdist_evaluate_model_file_mistakes_are_one_line(tmp_path, capsys, text, message):
+    from kdist.cli import evaluate
+
+    path = tmp_path / "mine.py"
+    if text is not None:
+        path.write_text(text)
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--synthetic", "240",
+                       "--model", str(path)])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]

@@ -15,6 +15,7 @@ so the comparison is on one replica.
 import importlib.util
 import json
 import os
+import statistics
 import time
 from typing import Any
 
@@ -22,7 +23,7 @@ import keras
 
 from kdist import engines
 from kdist.bench import cpuinfo
-from kdist.bench.measure import paired_ratios
+from kdist.bench.measure import EpochTimes, paired_ratios
 from kdist.errors import UsageError
 from kdist.inputs import base
 from kdist.inputs.arrays import ArraySource
@@ -112,14 +113,6 @@ def keras_gan(example):
     return model
 
 
-class _EpochTimes(keras.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        self.start = time.perf_counter()
-
-    def on_epoch_end(self, epoch, logs=None):
-        self.seconds = time.perf_counter() - self.start
-
-
 def run(dataset, replicas, batch_size_per_replica, steps, windows, log=print):
     """Times kdist's and the guide's DCGAN epoch by epoch; logs a line and a JSON line."""
     if keras.backend.backend() == "torch" and (replicas or 1) > 1:
@@ -147,11 +140,11 @@ def run(dataset, replicas, batch_size_per_replica, steps, windows, log=print):
             base.worker_rows(global_batch, engine.shard)), zero_totals(program))
         times["kdist"].append(time.perf_counter() - start)
         if theirs is not None:
-            timer = _EpochTimes()
+            timer = EpochTimes()
             theirs.fit(dataset.train_x[:count], batch_size=global_batch, epochs=1, verbose=0,
                        callbacks=[timer] + engine.keras_fit_callbacks())
-            times["fit"].append(timer.seconds)
-    kdist_rate = count / sorted(times["kdist"][1:])[len(times["kdist"][1:]) // 2]
+            times["fit"] += timer.seconds
+    kdist_rate = count / statistics.median(times["kdist"][1:])
     ratio = paired_ratios({"fit": times["fit"], "kdist": times["kdist"]})["kdist"] \
         if theirs is not None else None
     cpu = cpuinfo.describe(False)

@@ -109,7 +109,7 @@ def paired_ratios(seconds):
             for kind, times in seconds.items()}
 
 
-class _EpochTimes(keras.callbacks.Callback):
+class EpochTimes(keras.callbacks.Callback):
     """Epoch wall times; `fit` turns the epoch's logs into floats before on_epoch_end."""
 
     def __init__(self):
@@ -132,7 +132,7 @@ def measure_fit(engine, dataset, global_batch, steps, windows, precision=DEFAULT
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
     count = steps * global_batch
-    times = _EpochTimes()
+    times = EpochTimes()
     blocking = engine.keras_fit_callbacks()  # Keeps fit on JAX CPU devices from deadlocking.
     model.fit(dataset.train_x[:count], dataset.train_y[:count],
               batch_size=global_batch, epochs=1 + windows, callbacks=[times] + blocking,

@@ -34,7 +34,10 @@ def model_function(path):
         raise errors.UsageError(f"--model {path}: no such file")
     spec = importlib.util.spec_from_file_location("kdist_evaluated_model", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as e:  # A file that does not run: one line, as for other flags.
+        raise errors.UsageError(f"--model {path} does not run: {type(e).__name__}: {e}") from e
     if not callable(getattr(module, "model", None)):
         raise errors.UsageError(f"--model {path} defines no function model() that builds "
                                 "the model")
@@ -43,11 +46,11 @@ def model_function(path):
 
 def _evaluate(args):
     common.start(args)
+    model_fn = model_function(args.model) if args.model else kdist.create_model  # First.
     path = kdist.latest_checkpoint(args.checkpoint_dir)
     if path is None:
         raise errors.CheckpointError(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "
                                      "train first or pass --checkpoint-dir")
-    model_fn = model_function(args.model) if args.model else kdist.create_model
     result = kdist.evaluate_checkpoint(path, common.load_data(args), model_fn=model_fn,
                                        precision=args.precision, seed=args.seed)
     from kdist.loop import reporting  # Loads Keras: only after common.start.

@@ -21,7 +21,6 @@ import contextvars
 from typing import Any, Protocol
 
 import keras
-import numpy as np
 from keras.src.backend.common import global_state  # The active StatelessScope lives here.
 
 from kdist.errors import UsageError
@@ -198,7 +197,3 @@ def loss_of(value):
                          f"{tuple(keras.ops.shape(loss))}; return a scalar (e.g. its "
                          "keras.ops.mean), or a tuple whose first item is one")
     return loss
-
-
-def host_array(value):
-    return np.asarray(keras.ops.convert_to_numpy(value))
