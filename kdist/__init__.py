@@ -27,7 +27,8 @@ if TYPE_CHECKING:  # What type checkers see; at run time `__getattr__` loads eac
     from kdist.inputs.arrays import Dataset as Dataset
     from kdist.inputs.base import Inputs as Inputs
     from kdist.inputs.tfrecords import TFRecords as TFRecords
-    from kdist.loop.training import evaluate_checkpoint as evaluate_checkpoint
+    from kdist.loop.evaluation import evaluate_checkpoint as evaluate_checkpoint
+    from kdist.loop.result import TrainingResult as TrainingResult
     from kdist.loop.training import train_and_evaluate as train_and_evaluate
     from kdist.models.cnn import create_model as create_model
     from kdist.runtime.startup import prepare_environment as prepare_environment
@@ -42,7 +43,8 @@ _LAZY = {
     "TrainConfig": "kdist.config",
     "OPTIMIZERS": "kdist.config",
     "train_and_evaluate": "kdist.loop.training",
-    "evaluate_checkpoint": "kdist.loop.training",
+    "evaluate_checkpoint": "kdist.loop.evaluation",
+    "TrainingResult": "kdist.loop.result",
     "create_model": "kdist.models.cnn",
     "Dataset": "kdist.inputs.arrays",
     "Inputs": "kdist.inputs.base",

@@ -24,14 +24,16 @@ class EpochRecord:
     samples_per_sec: float | None
     # Train steps the optimizer skipped (non-finite gradients under dynamic loss scaling).
     skipped_steps: int = 0
+    # What callbacks added to the epoch's logs ("learning_rate", say; `kdist.loop.hooks`).
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """{"epoch", "train_<name>"..., "test_<name>"..., "seconds", "samples_per_sec",
-        "skipped_steps"}."""
+        "skipped_steps", and what callbacks added}."""
         return dict(epoch=self.epoch, **{f"train_{k}": v for k, v in self.train.items()},
                     **{f"test_{k}": v for k, v in self.test.items()},
                     seconds=self.seconds, samples_per_sec=self.samples_per_sec,
-                    skipped_steps=self.skipped_steps)
+                    skipped_steps=self.skipped_steps, **self.extra)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "EpochRecord":
@@ -40,8 +42,11 @@ class EpochRecord:
         def part(prefix: str) -> dict[str, float]:
             return {k[len(prefix):]: v for k, v in values.items() if k.startswith(prefix)}
 
+        own = {"epoch", "seconds", "samples_per_sec", "skipped_steps"}
+        extra = {k: v for k, v in values.items()
+                 if k not in own and not k.startswith(("train_", "test_"))}
         return cls(values["epoch"], part("train_"), part("test_"), values["seconds"],
-                   values["samples_per_sec"], values.get("skipped_steps", 0))
+                   values["samples_per_sec"], values.get("skipped_steps", 0), extra)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Position:
     # checkpoint's metadata until the loop checks them against the model's.
     totals: dict[str, npt.ArrayLike] | None = None
     history: tuple[EpochRecord, ...] = ()  # The `EpochRecord`s of the epochs done.
+    stopped: bool = False  # Whether a callback ended training here (`model.stop_training`).
 
     def global_step(self, steps_per_epoch: int) -> int:
         """The step count that names a checkpoint of this position."""
@@ -63,9 +69,11 @@ class Position:
         totals = None if self.totals is None else {
             key: np.asarray(value).tolist() for key, value in self.totals.items()}
         return dict(epoch=self.epoch, step_in_epoch=self.step_in_epoch, totals=totals,
-                    history=[record.as_dict() for record in self.history])
+                    history=[record.as_dict() for record in self.history],
+                    stopped=self.stopped)
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "Position":
         return cls(meta["epoch"], meta["step_in_epoch"], meta["totals"],
-                   tuple(EpochRecord.from_dict(r) for r in meta["history"]))
+                   tuple(EpochRecord.from_dict(r) for r in meta["history"]),
+                   meta.get("stopped", False))

@@ -55,7 +55,7 @@ def kdist_accuracies(dataset, epochs, seed, precision, initial_weights):
                              checkpoint_dir=checkpoint_dir, checkpoint_every=epochs)
         result = kdist.train_and_evaluate(config, dataset,
                                           model_fn=lambda: compiled_cnn(initial_weights))
-    return [epoch["test_accuracy"] for epoch in result["history"]]
+    return [epoch["test_accuracy"] for epoch in result.epochs]
 
 
 def fit_accuracies(dataset, epochs, seed, precision, weights, repeat_first_order=False):

@@ -146,4 +146,4 @@ if __name__ == "__main__":
         print(json.dumps(evaluate(*rest)))
     for example in (rest[2:] or EXAMPLES) if command == "train" else ():
         result, path = train(example, int(rest[1]), os.path.join(rest[0], example))
-        print(json.dumps(dict(result["restored"], example=example, path=path)))
+        print(json.dumps(dict(result.restored, example=example, path=path)))

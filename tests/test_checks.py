@@ -23,7 +23,7 @@ def test_train_config_refuses_values_out_of_range(tmp_path, field, value, messag
 def test_the_largest_seed_trains(tmp_path, small_dataset):
     cfg = config(tmp_path, "ck", epochs=1, steps_per_epoch=1, seed=2**32 - 1)
     result = training.train_and_evaluate(cfg, small_dataset, log=lambda line: None)
-    assert len(result["history"]) == 1
+    assert len(result.epochs) == 1
 
 
 @pytest.mark.any_backend  # The loop's chunking, the same for every engine.

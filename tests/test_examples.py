@@ -30,9 +30,9 @@ def test_two_replicas_train_to_the_weights_of_one(tmp_path, name):
     one, one_path = train(name, 1, tmp_path / "one")
     two, two_path = train(name, 2, tmp_path / "two")
     assert_same(one_path, two_path, 1e-5)
-    for key, value in one["history"][0].items():  # The same epoch line, test included.
+    for key, value in one.epochs[0].items():  # The same epoch line, test included.
         if key.startswith(("train_", "test_")):
-            assert two["history"][0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            assert two.epochs[0][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 class _StopAfter:
@@ -154,7 +154,7 @@ def test_a_step_of_your_own_scales_its_loss_through_the_optimizer_and_counts_ski
     result = kdist.train_and_evaluate(config(tmp_path, 1), dataset(), model_fn=_Scaled,
                                       log=lambda line: None)
     # Each scaled step overflows: skipped, counted, and the scale halved; nothing applied.
-    record = result["history"][0]
+    record = result.epochs[0]
     assert record["skipped_steps"] == 3 and np.isfinite(record["train_loss"])
     model = _Scaled()
     model.opt.build(model.dense.trainable_variables)

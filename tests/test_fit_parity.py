@@ -281,7 +281,7 @@ def test_a_whole_run_ends_where_fit_ends_on_the_same_batches(replicas, tmp_path)
                                batch_size_per_replica=BATCH // replicas,
                                steps_per_execution=4, checkpoint_dir=str(tmp_path))
     history = kdist.train_and_evaluate(config, kdist.Dataset(x, y, test_x, test_y, "toy"),
-                                       model_fn=model_fn, log=lambda line: None)["history"]
+                                       model_fn=model_fn, log=lambda line: None).epochs
     reference = on_keras(regularized_classifier, built[0])
     rows = base.steps_per_epoch(len(x), BATCH) * BATCH
     for epoch, ours in enumerate(history):

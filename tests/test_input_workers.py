@@ -58,5 +58,5 @@ def test_two_workers_train_like_one_process(tmp_path, kind):
     assert worst <= 1e-5
     input_worker.train(kind, str(tmp_path / "half"), 8, replicas=1, log=lambda line: None)
     assert max_difference(mine, final_weights(tmp_path, "half")) > 1e-3  # The check has teeth.
-    restored = one["restored"]
+    restored = one.restored
     assert f"Test Accuracy: {100 * restored['test_accuracy']:.2f}%" in out.splitlines()[-1]

@@ -258,7 +258,7 @@ def test_every_kind_trains_like_the_same_batches(tmp_path):
     worst = max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "function"))
     print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-6, worst
-    assert without_timing(function["history"]) == without_timing(arrays["history"])
+    assert without_timing(function.epochs) == without_timing(arrays.epochs)
 
     batches = in_batches(x, y, 25)
     train(tmp_path, "pydataset", base.Inputs(Batches(x, y, 25), TEST))
@@ -280,7 +280,7 @@ def test_tf_data_trains_like_the_same_batches_as_arrays(tmp_path):
     worst = max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "tf"))
     print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-6, worst
-    assert result["restored"]["checkpoint"].endswith("ckpt-00000012.weights.h5")
+    assert result.restored["checkpoint"].endswith("ckpt-00000012.weights.h5")
 
 
 def test_evaluation_counts_every_example_once_whatever_the_kind():
@@ -330,7 +330,7 @@ def resume_matches(tmp_path, make_inputs, stop_after=16):
                            final_weights(tmp_path, "resumed"))
     print(f"\nmax |resumed - straight| = {worst:.3g}")
     assert worst <= 1e-6, worst
-    assert without_timing(resumed["history"]) == without_timing(straight["history"])
+    assert without_timing(resumed.epochs) == without_timing(straight.epochs)
     return lines[0]
 
 

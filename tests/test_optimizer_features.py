@@ -294,9 +294,9 @@ def test_a_resume_inside_an_accumulation_window_continues_it_the_schedule_and_th
     assert iterations(restored_optimizer(latest(tmp_path, "resumed"), optimizer)) == (5, 10)
     # Train and test (on the averages) scores of each epoch, as in the straight run.
     assert [{k: v for k, v in r.items() if k not in ("seconds", "samples_per_sec")}
-            for r in resumed["history"]] == \
+            for r in resumed.epochs] == \
         [{k: v for k, v in r.items() if k not in ("seconds", "samples_per_sec")}
-         for r in straight["history"]]
+         for r in straight.epochs]
 
 
 def test_every_evaluation_and_the_checkpoint_keep_the_moving_averages(tmp_path):
@@ -304,7 +304,7 @@ def test_every_evaluation_and_the_checkpoint_keep_the_moving_averages(tmp_path):
         return keras.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.5)
 
     result = run(config(tmp_path, "ema", epochs=1, steps_per_epoch=4), averaging)
-    last, restored = result["history"][-1], result["restored"]
+    last, restored = result.epochs[-1], result.restored
     assert restored["test_accuracy"] == last["test_accuracy"]
     assert abs(restored["test_loss"] - last["test_loss"]) <= TOLERANCE
     # The checkpoint's model weights are the trained ones (a resume continues

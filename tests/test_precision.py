@@ -356,7 +356,7 @@ def test_skipped_steps_reach_the_epoch_lines_and_the_metrics_file_and_resume_exa
     run("resumed", 1)
     resumed = run("resumed", 2)
 
-    skipped = [record["skipped_steps"] for record in straight["history"]]
+    skipped = [record["skipped_steps"] for record in straight.epochs]
     assert all(count > 0 for count in skipped), skipped
     epochs = [line for line in lines if line.startswith("Epoch ")]
     assert [line.endswith(f"; {count} steps skipped)") or
@@ -369,8 +369,8 @@ def test_skipped_steps_reach_the_epoch_lines_and_the_metrics_file_and_resume_exa
     assert "skipped_steps" in (tmp_path / "straight.csv").read_text().splitlines()[0]
 
     timing = ("seconds", "samples_per_sec")
-    assert [{k: v for k, v in r.items() if k not in timing} for r in resumed["history"]] == \
-        [{k: v for k, v in r.items() if k not in timing} for r in straight["history"]]
+    assert [{k: v for k, v in r.items() if k not in timing} for r in resumed.epochs] == \
+        [{k: v for k, v in r.items() if k not in timing} for r in straight.epochs]
     a, b = (checkpoint_arrays(checkpoints.latest_checkpoint(str(tmp_path / name)))
             for name in ("straight", "resumed"))
     assert a.keys() == b.keys()

@@ -164,10 +164,10 @@ def test_train_and_evaluate_reports_keras_evaluate_numbers_for_float_targets(tmp
                                   checkpoint_dir=str(tmp_path / "run"), seed=3)
     result = training.train_and_evaluate(config, dataset, model_fn=model_fn,
                                          log=lambda line: None)
-    last, restored = result["history"][-1], result["restored"]
+    last, restored = result.epochs[-1], result.restored
     no_distribution()
     expected = built[-1].evaluate(test_x, test_y, batch_size=50, verbose=0, return_dict=True)
     for name in METRICS:  # 1,001 rows: the last of 32 batches of 32 holds 9.
         assert last[f"test_{name}"] == pytest.approx(expected[name], rel=1e-6), name
         assert restored[f"test_{name}"] == pytest.approx(expected[name], rel=1e-6), name
-    assert last["train_loss"] < result["history"][0]["train_loss"]
+    assert last["train_loss"] < result.epochs[0]["train_loss"]

@@ -38,8 +38,8 @@ def test_resume_rewrites_the_metrics_files_from_the_checkpoint(tmp_path, small_d
     resumed = run(cfg, small_dataset)
     lines = json_lines(metrics)
     assert [line.get("epoch") for line in lines] == [1, 2, 3, None]
-    assert lines[:2] == first["history"][:2]  # Rewritten from the checkpoint's history.
-    assert lines[2] == resumed["history"][2] and lines[3]["restored"] is True
+    assert lines[:2] == first.epochs[:2]  # Rewritten from the checkpoint's history.
+    assert lines[2] == resumed.epochs[2] and lines[3]["restored"] is True
     rows = csv_rows(tmp_path / "m.csv")
     assert rows[0] == ["epoch", "samples_per_sec", "seconds", "skipped_steps", "test_accuracy",
                        "test_loss", "train_accuracy", "train_loss"]  # CSVLogger's layout.

@@ -116,8 +116,8 @@ def test_bn_dropout_cnn_trains_like_keras_fit_within_noise(tmp_path):
                                          log=lambda line: None)
     for a, b in zip(recording.initial[0], fits[0][0]):  # The same initial weights.
         np.testing.assert_array_equal(a, b)
-    last = result["history"][-1]
-    assert result["restored"]["test_accuracy"] == last["test_accuracy"]
+    last = result.epochs[-1]
+    assert result.restored["test_accuracy"] == last["test_accuracy"]
     report = [f"\n[{BACKEND}] kdist vs fit (seeds {FIT_SEEDS}), after {EPOCHS} epochs:"]
     for name, column in (("accuracy", 2), ("loss", 1)):
         fit = np.array([f[column] for f in fits])
@@ -175,7 +175,7 @@ def test_resume_mid_epoch_is_bitwise_the_uninterrupted_run(tmp_path):
             np.testing.assert_array_equal(x, y)
     (state,) = seed_states(straight_model)
     assert int(state[1]) == 12
-    assert without_timing(resumed["history"]) == without_timing(straight["history"])
+    assert without_timing(resumed.epochs) == without_timing(straight.epochs)
     # The checkpoint carries the seed state into a fresh, undistributed model, and
     # stays loadable by Keras' own load_weights (which ignores that part).
     no_distribution()

@@ -51,7 +51,7 @@ def test_streamed_files_train_like_the_same_batches_in_memory(tmp_path, folder):
     worst = max_difference(final_weights(tmp_path, "files"), final_weights(tmp_path, "memory"))
     print(f"\nmax weight difference {worst:.3g}")
     assert worst <= 1e-5, worst
-    for mine, theirs in zip(streamed["history"], memory["history"]):
+    for mine, theirs in zip(streamed.epochs, memory.epochs):
         assert mine["test_loss"] == pytest.approx(theirs["test_loss"], abs=1e-5)
         assert mine["test_accuracy"] == pytest.approx(theirs["test_accuracy"], abs=1e-7)
 

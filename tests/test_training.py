@@ -48,21 +48,21 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, small_dataset):
     assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a)
     worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
     assert worst <= 1e-6, f"resumed weights differ by {worst}"
-    assert without_timing(resumed["history"]) == without_timing(straight["history"])
+    assert without_timing(resumed.epochs) == without_timing(straight.epochs)
 
 
 def test_restored_model_scores_the_last_epoch_accuracy(tmp_path, small_dataset):
     result = run(config(tmp_path, "run", epochs=3, checkpoint_every=2), small_dataset)
-    assert [r["epoch"] for r in result["history"]] == [1, 2, 3]
-    assert result["restored"]["checkpoint"].endswith("ckpt-00000018.weights.h5")
-    assert result["restored"]["test_accuracy"] == result["history"][-1]["test_accuracy"]
-    assert result["history"][-1]["train_loss"] < result["history"][0]["train_loss"]
+    assert [r["epoch"] for r in result.epochs] == [1, 2, 3]
+    assert result.restored["checkpoint"].endswith("ckpt-00000018.weights.h5")
+    assert result.restored["test_accuracy"] == result.epochs[-1]["test_accuracy"]
+    assert result.epochs[-1]["train_loss"] < result.epochs[0]["train_loss"]
 
 
 def test_same_seed_gives_the_same_numbers(tmp_path, small_dataset):
     first = run(config(tmp_path, "a", epochs=2), small_dataset)
     second = run(config(tmp_path, "b", epochs=2), small_dataset)
-    assert without_timing(first["history"]) == without_timing(second["history"])
+    assert without_timing(first.epochs) == without_timing(second.epochs)
 
 
 def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path, small_dataset):
@@ -90,7 +90,7 @@ def test_metrics_file_has_one_line_per_epoch_and_the_restored_result(tmp_path, s
                              "test_accuracy", "seconds", "samples_per_sec", "skipped_steps"}
     assert lines[0]["skipped_steps"] == 0
     assert lines[2]["restored"] is True
-    assert lines[2]["test_accuracy"] == result["history"][-1]["test_accuracy"]
+    assert lines[2]["test_accuracy"] == result.epochs[-1]["test_accuracy"]
     rows = (tmp_path / "metrics.csv").read_text().splitlines()
     assert rows[0] == ("epoch,samples_per_sec,seconds,skipped_steps,test_accuracy,test_loss,"
                        "train_accuracy,train_loss")  # keras.callbacks.CSVLogger's layout.
@@ -150,12 +150,12 @@ def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
         log=lines.append)
     epoch2 = [line for line in lines if line.startswith("Epoch 2/3")][0]
     assert epoch2.endswith("(trained before the resume)"), epoch2
-    assert result["history"][1]["samples_per_sec"] is None
-    assert result["history"][2]["samples_per_sec"] > 0
+    assert result.epochs[1]["samples_per_sec"] is None
+    assert result.epochs[2]["samples_per_sec"] > 0
     names = [os.path.basename(p) for p in
              checkpoints.CheckpointManager(str(tmp_path / "run")).paths()]
     # 6 steps per epoch, then 3: epoch 1 ends at step 6, the interruption at 10,
     # epochs 2 and 3 at 6 and 9.
     assert names == ["ckpt-00000010.weights.h5", "ckpt-00000006.weights.h5",
                      "ckpt-00000009.weights.h5"]
-    assert result["restored"]["checkpoint"].endswith("ckpt-00000009.weights.h5")
+    assert result.restored["checkpoint"].endswith("ckpt-00000009.weights.h5")

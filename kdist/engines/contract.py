@@ -137,7 +137,12 @@ class Engine(Protocol):
         batch. No padding, so every metric sees exactly the real examples."""
 
     def sync_to_model(self) -> None:
-        """Writes the engine's state back into the Keras variables (before a save)."""
+        """Writes the engine's state back into the Keras variables (before a save, and
+        before a callback reads them)."""
+
+    def sync_from_model(self) -> None:
+        """Takes the Keras variables' values as the engine's state again, after a
+        callback assigned some (a learning rate, weights)."""
 
     def any_worker(self, flag: bool, /) -> bool:
         """Whether `flag` is true on any worker: a collective every worker calls at

@@ -108,7 +108,7 @@ class Engine(contract.Engine):
         """
         self.program = program
         variables = program.variables
-        self._read_state()
+        self.sync_from_model()
 
         def run(state, batch, training):
             stats, scope = program.run(_Primitives(), training, batch, zip(variables, state))
@@ -127,7 +127,7 @@ class Engine(contract.Engine):
         self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), program.zero_statistics))
         self._eval_whole = jax.jit(eval_step)
 
-    def _read_state(self):
+    def sync_from_model(self):
         """Takes the variables' values as the state, replicated over the mesh.
 
         On one device Keras keeps variables on that device, while the train

@@ -230,6 +230,9 @@ class Engine(contract.Engine):
     def sync_to_model(self):
         """Variables are updated in place on TF: nothing to write back."""
 
+    def sync_from_model(self):
+        """The steps read the variables themselves: nothing to take back."""
+
 
 def _map_arrays(fn, structure):
     """`fn` over a structure's arrays; None (no sample weights) stays None."""

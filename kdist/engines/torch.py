@@ -221,6 +221,9 @@ class Engine(contract.Engine):
     def sync_to_model(self):
         """Variables are updated in place on torch: nothing to write back."""
 
+    def sync_from_model(self):
+        """The steps read the variables themselves: nothing to take back."""
+
 
 def _is_float(variable):
     return "float" in str(variable.dtype)

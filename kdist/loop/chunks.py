@@ -38,7 +38,7 @@ def totals_from_json(values, step):
 
 
 def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
-              steps_per_execution=1):
+              steps_per_execution=1, before_chunk=None):
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
     Batches go to the engine in chunks of `steps_per_execution`, one compiled
@@ -48,7 +48,8 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
     on a background thread while the current one runs (`kdist.loop.prefetch`),
     so this thread only dispatches the calls. Statistics come back once per chunk and are
     then accounted step by step (`on_step(steps done, step stats, totals,
-    last step of its chunk)`). After each chunk `should_stop()` is called,
+    last step of its chunk)`); `before_chunk(steps done)` is called before each
+    chunk runs. After each chunk `should_stop()` is called,
     on every worker at the same point; when it returns true, no further
     chunk runs. Returns (totals, steps run).
     """
@@ -58,6 +59,8 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
                                  in _stacked_chunks(engine, batches, steps_per_execution))
     try:
         for chunk, count in chunks:
+            if before_chunk is not None:
+                before_chunk(done)
             per_step = {k: np.asarray(v) for k, v in step_fn(chunk, count).items()}
             for i in range(count):
                 stats = {k: v[i] for k, v in per_step.items()}

@@ -11,20 +11,24 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 
 from kdist import checkpoints, checks, engines, records
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.inputs import arrays, base, pipelines, sources
-from kdist.loop import building, replicas, reporting
+from kdist.loop import building, hooks, replicas, reporting
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
+from kdist.loop.evaluation import evaluate_checkpoint, model_in_hand
+from kdist.loop.result import TrainingResult, epoch_logs, keras_history
 from kdist.models.cnn import create_model
 from kdist.step import draws
 from kdist.workers import interrupt
+from kdist.workers.processes import REPLICA_PROCESSES_VARIABLE
 
 
 def train_and_evaluate(
@@ -33,7 +37,8 @@ def train_and_evaluate(
         optimizer_fn: Callable[[float], keras.optimizers.Optimizer] | None = None,
         loss_fn: Callable[[Any, Any], Any] | None = None,
         compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
-        log: Callable[[str], object] = print, stop: object = None) -> dict[str, Any]:
+        log: Callable[[str], object] = print, stop: object = None,
+        callbacks: Sequence[keras.callbacks.Callback] = ()) -> TrainingResult:
     """Trains data-parallel, checkpoints, restores without distribution, evaluates.
 
     Args:
@@ -60,27 +65,42 @@ def train_and_evaluate(
             training ends after the current chunk of steps with a checkpoint
             and `Interrupted`. With several workers, every worker stops
             after the same step when any one's `stop` is true.
+        callbacks: `keras.callbacks.Callback`s, called as `fit` calls them
+            (`kdist.loop.hooks`): `model.stop_training = True` ends training
+            after the current chunk of steps (on every worker), with a
+            checkpoint, and the run returns as usual. On torch each replica
+            process runs copies of them.
 
-    Returns a dict with `history` (one record per epoch: `train_loss`,
-    `test_loss`, and train_/test_ each metric) and `restored` (the
-    evaluation of the latest checkpoint in a fresh, undistributed model).
+    Returns a `TrainingResult`: the trained model with no distribution,
+    `history` as Keras' `History` has it, `epochs` (one record per epoch:
+    `train_loss`, `test_loss`, and train_/test_ each metric) and `restored`
+    (the evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     checks.check_config(config)
     processes = engines.replica_processes(config.replicas)
+    prepared = sources.prepare(dataset)
     if processes:  # torch: this process starts one per replica and waits for them.
-        return replicas.run(processes, train_and_evaluate, dict(
+        result = replicas.run(processes, train_and_evaluate, dict(
             config=config, dataset=dataset, model_fn=model_fn, optimizer_fn=optimizer_fn,
-            loss_fn=loss_fn, compute_loss=compute_loss), log=log, stop=stop)
-    run = _Run(config, sources.prepare(dataset), model_fn, optimizer_fn, loss_fn, compute_loss)
-    try:
-        return _train(run, log, interrupt.AgreedStop(stop, run.engine))
-    finally:
-        run.manager.release()
+            loss_fn=loss_fn, compute_loss=compute_loss, callbacks=callbacks),
+            log=log, stop=stop)
+    else:
+        run = _Run(config, prepared, model_fn, optimizer_fn, loss_fn, compute_loss)
+        try:
+            result = _train(run, log, interrupt.AgreedStop(stop, run.engine), callbacks)
+        finally:
+            run.manager.release()
+    if os.environ.get(REPLICA_PROCESSES_VARIABLE) == "1":  # A replica process of `run`:
+        # the process that started it builds the model and takes the callbacks' state.
+        return dataclasses.replace(result, callback_states=hooks.portable_states(callbacks))
+    result = model_in_hand(result, prepared, model_fn, loss_fn, compute_loss, config)
+    hooks.take_states(callbacks, result.callback_states, result.model)
+    return dataclasses.replace(result, callback_states=None)
 
 
-def _train(run, log, stop):
+def _train(run, log, stop, callbacks):
     """The epochs, checkpoints and final evaluation of `train_and_evaluate`;
-    `stop` is an `AgreedStop`."""
+    `stop` is an `AgreedStop`. Returns a `TrainingResult` with the trained weights."""
     config, dataset = run.config, run.dataset
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
     if chief:
@@ -94,22 +114,36 @@ def _train(run, log, stop):
                                       run.step.metric_names("test"))
     position = run.position
     metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
-    while position.epoch < config.epochs:
-        position, record = run.train_epoch(position, stop)
+    calls = hooks.Hooks(callbacks, run.model, run.engine, config.epochs, run.steps)
+    calls.train_begin()
+    while position.epoch < config.epochs and not position.stopped:
+        calls.epoch_begin(position.epoch)
+        position, record = run.train_epoch(position, stop, calls)
         if record is not None:  # The epoch's steps are done and it is evaluated.
             log(reporting.format_epoch(record, config.epochs, run.dynamic_loss_scale))
             stop.poll()  # A signal may have come during the evaluation.
-        if stop or _checkpoint_due(config, position):
+            record = dataclasses.replace(
+                record, extra=calls.epoch_end(record.epoch - 1, epoch_logs(record)))
+            position = dataclasses.replace(position, history=position.history[:-1] + (record,))
+        if calls.poll_stop():
+            position = dataclasses.replace(position, stopped=True)
+            log(f"A callback stopped training (model.stop_training) at epoch "
+                f"{position.epoch + (1 if position.step_in_epoch else 0)}, step "
+                f"{position.step_in_epoch or run.steps}")
+        if stop or position.stopped or _checkpoint_due(config, position):
             path = run.save(position)
             log(f"Saved checkpoint {path}")
         if record is not None:
             metrics.epoch(record)  # After its checkpoint: a failed write loses none.
         if stop:
             raise _interrupted(stop, position, path)
-
-    history = [record.as_dict() for record in position.history]
+    calls.train_end(epoch_logs(position.history[-1], extra=False) if position.history else {})
+    run.engine.sync_to_model()
+    result = TrainingResult(
+        None, keras_history(position.history), [r.as_dict() for r in position.history],
+        None, position.stopped, weights=[np.asarray(w) for w in run.model.get_weights()])
     if not chief or not run.step.evaluates:  # No test step, or the chief's checkpoint
-        return {"history": history, "restored": None}  # may not be visible here yet.
+        return result  # may not be visible here yet.
     latest = run.manager.latest()
     restored = evaluate_checkpoint(latest[0], run.dataset, run.model_fn, run.loss_fn,
                                    run.compute_loss, run.global_batch,
@@ -118,7 +152,7 @@ def _train(run, log, stop):
     log(f"Restored {latest[0]} without distribution: "
         f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
-    return {"history": history, "restored": restored}
+    return dataclasses.replace(result, restored=restored)
 
 
 def _checkpoint_due(config, position):
@@ -176,10 +210,11 @@ class _Run:
             self.manager.release()
             raise
 
-    def train_epoch(self, position, stop):
+    def train_epoch(self, position, stop, calls):
         """Trains from `position` to the end of its epoch, then evaluates.
 
-        Stops early after the step at which every worker agrees to stop.
+        Stops early after the step at which every worker agrees to stop (`stop`)
+        or a callback stopped training (`calls`, a `kdist.loop.hooks.Hooks`).
         Returns (the position reached, the epoch's `EpochRecord`, or None if
         it stopped before the epoch's end).
         """
@@ -193,11 +228,14 @@ class _Run:
                                   base.worker_rows(self.global_batch, self.engine.shard))
         progress = (reporting.ProgressBar(self.steps, first_step) if self.config.progress
                     else None)
-        on_step = _step_callback(self.step, epoch, first_step, self.global_batch, progress)
+        on_step = _step_callback(self.step, epoch, first_step, self.global_batch, progress,
+                                 calls)
         totals = position.totals if position.totals is not None else zero_totals(self.step)
         try:
-            totals, done = run_steps(self.engine, self.engine.train_chunk, with_draws, totals,
-                                     on_step, stop.poll, self.train_chunk)
+            totals, done = run_steps(
+                self.engine, self.engine.train_chunk, with_draws, totals, on_step,
+                lambda: stop.poll() or calls.poll_stop(), self.train_chunk,
+                before_chunk=lambda done: calls.batch_begin(first_step + done))
         finally:
             if progress is not None:
                 progress.close()
@@ -207,14 +245,20 @@ class _Run:
         if self.steps is None:  # Its length is known now.
             self.steps = first_step + done
         seconds = time.perf_counter() - start if done else None  # None: all trained before.
-        test = (evaluate_source(self.engine, self.step, self.dataset.test, self.global_batch,
-                                self.config.steps_per_execution, self.config.seed)
-                if self.step.evaluates else {})
+        test = self.evaluate(calls) if self.step.evaluates else {}
         record = records.EpochRecord(
             epoch + 1, self.step.results(totals), test, seconds,
             done * self.global_batch / seconds if done else None,
             skipped_steps=round(float(totals["skipped"])))
         return records.Position(epoch + 1, 0, None, position.history + (record,)), record
+
+    def evaluate(self, calls):
+        """The epoch's evaluation on the test data, between the callbacks' test hooks."""
+        calls.test_begin()
+        results = evaluate_source(self.engine, self.step, self.dataset.test, self.global_batch,
+                                  self.config.steps_per_execution, self.config.seed)
+        calls.test_end(results)
+        return results
 
     def save(self, position):
         """Checkpoints `position`; only the chief's copy is kept."""
@@ -258,14 +302,17 @@ def _resume_position(config, manager, model, step):
         position = dataclasses.replace(position, totals=totals)
     where = (f"epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}"
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
+    if position.stopped:
+        where += ", where a callback stopped training: nothing left to train"
     return position, (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
         f"with {meta['replicas']} replica(s))"), meta.get("steps_per_epoch")
 
 
-def _step_callback(step, epoch, first_step, global_batch, progress):
-    """`on_step` for `run_steps`: checks every step's loss and draws `progress` (a
-    `reporting.ProgressBar`, or None) once per chunk."""
+def _step_callback(step, epoch, first_step, global_batch, progress, calls):
+    """`on_step` for `run_steps`: checks every step's loss, then once per chunk
+    draws `progress` (a `reporting.ProgressBar`, or None) and calls the callbacks'
+    `on_train_batch_end`."""
     start = time.perf_counter()
 
     def on_step(done, stats, totals, chunk_end):
@@ -275,41 +322,11 @@ def _step_callback(step, epoch, first_step, global_batch, progress):
                 raise TrainingError(
                     f"non-finite {name} at epoch {epoch + 1}, step {step_in_epoch}; stopping. "
                     "Checkpoints written before stay valid; try a lower --learning-rate")
-        if progress is not None and chunk_end:
-            rate = done * global_batch / (time.perf_counter() - start)
-            progress.update(step_in_epoch, step.results(totals), rate)
+        if chunk_end and (progress is not None or calls.active):
+            results = step.results(totals)
+            if progress is not None:
+                rate = done * global_batch / (time.perf_counter() - start)
+                progress.update(step_in_epoch, results, rate)
+            calls.batch_end(step_in_epoch - 1, results)
 
     return on_step
-
-
-def evaluate_checkpoint(
-        path: str, dataset: arrays.Dataset | base.Inputs,
-        model_fn: Callable[[], keras.Model] = create_model,
-        loss_fn: Callable[[Any, Any], Any] | None = None,
-        compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
-        batch_size: int = TrainConfig.batch_size_per_replica,
-        steps_per_execution: int = TrainConfig.steps_per_execution, *,
-        precision: str = TrainConfig.precision, seed: int = TrainConfig.seed) -> dict[str, Any]:
-    """Restores `path` into a fresh model with no distribution and evaluates it.
-
-    The model is built under dtype policy `precision` (`kdist.precision`):
-    a checkpoint of any precision restores into any (its variables are
-    float32). `dataset` is a `kdist.Dataset` or a `kdist.Inputs` (only its
-    test data is read). `seed` is the run's: a test step's `kdist.random`
-    draws come from it, as in each epoch's evaluation. Returns {"restored":
-    True, "checkpoint": path, "test_loss": ..., and test_ each metric}.
-    """
-    prepared = sources.prepare(dataset, splits=("test",))
-    engine = engines.create_engine(distributed=False)
-    model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
-                                         model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
-                                         train=False, precision=precision)
-    checkpoints.restore(model, path, hint="evaluate it with the model it was trained with")
-    if not step.evaluates:
-        raise UsageError(f"{type(model).__name__} defines train_step but no test_step; "
-                         "define test_step(data) to evaluate it")
-    building.check_labels(prepared, model, splits=("test",))
-    engine.compile_steps(step)
-    results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution,
-                              seed)
-    return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})

@@ -1,0 +1,62 @@
+"""The model with no distribution: a checkpoint evaluated, or the trained weights in hand."""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import keras
+
+from kdist import checkpoints, engines
+from kdist.config import TrainConfig
+from kdist.errors import UsageError
+from kdist.inputs import arrays, base, sources
+from kdist.loop import building
+from kdist.loop.chunks import evaluate_source
+from kdist.loop.result import TrainingResult
+from kdist.models.cnn import create_model
+
+
+def evaluate_checkpoint(
+        path: str, dataset: arrays.Dataset | base.Inputs,
+        model_fn: Callable[[], keras.Model] = create_model,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
+        compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
+        batch_size: int = TrainConfig.batch_size_per_replica,
+        steps_per_execution: int = TrainConfig.steps_per_execution, *,
+        precision: str = TrainConfig.precision, seed: int = TrainConfig.seed) -> dict[str, Any]:
+    """Restores `path` into a fresh model with no distribution and evaluates it.
+
+    The model is built under dtype policy `precision` (`kdist.precision`):
+    a checkpoint of any precision restores into any (its variables are
+    float32). `dataset` is a `kdist.Dataset` or a `kdist.Inputs` (only its
+    test data is read). `seed` is the run's: a test step's `kdist.random`
+    draws come from it, as in each epoch's evaluation. Returns {"restored":
+    True, "checkpoint": path, "test_loss": ..., and test_ each metric}.
+    """
+    prepared = sources.prepare(dataset, splits=("test",))
+    engine = engines.create_engine(distributed=False)
+    model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
+                                         model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
+                                         train=False, precision=precision)
+    checkpoints.restore(model, path, hint="evaluate it with the model it was trained with")
+    if not step.evaluates:
+        raise UsageError(f"{type(model).__name__} defines train_step but no test_step; "
+                         "define test_step(data) to evaluate it")
+    building.check_labels(prepared, model, splits=("test",))
+    engine.compile_steps(step)
+    results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution,
+                              seed)
+    return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})
+
+
+def model_in_hand(result: TrainingResult, prepared: base.Prepared,
+                  model_fn: Callable[[], keras.Model], loss_fn: Any, compute_loss: Any,
+                  config: TrainConfig) -> TrainingResult:
+    """`result` with its model: built by `model_fn` with no distribution, holding
+    `result.weights`."""
+    engine = engines.create_engine(distributed=False)
+    model, _ = building.prepare_model(
+        engine, config.batch_size_per_replica, building.sample_rows(prepared), model_fn,
+        loss_fn=loss_fn, compute_loss=compute_loss, train=False, precision=config.precision)
+    model.set_weights(result.weights)
+    return dataclasses.replace(result, model=model, weights=None)

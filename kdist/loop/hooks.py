@@ -1,0 +1,127 @@
+"""Keras callbacks in kdist's loop, called where and as `fit` calls them.
+
+`Hooks` wraps the user's `keras.callbacks.Callback`s in Keras' own
+`CallbackList` (which gives each one the model and the run's params) and
+adds what data parallelism needs:
+
+- the engine's state and the Keras variables agree around every call:
+  the engine writes its state into the model before it (`sync_to_model`)
+  and takes back what a callback assigned, a learning rate or weights,
+  after it (`sync_from_model`), so a callback reads and sets the model as
+  in `fit`. `on_train_batch_begin`/`end` come once per compiled chunk of
+  steps, with the epoch's results so far;
+- `model.stop_training`, set by any worker's callback, is agreed on through
+  the engine's collective (`any_worker`) after each chunk and each epoch,
+  so every worker stops after the same step;
+- on a worker other than the chief, the callbacks that write files
+  (`CSVLogger`, `TensorBoard`, `ModelCheckpoint`, `BackupAndRestore`) are
+  left out: only the chief writes;
+- on torch, where each replica is a process that runs copies of the
+  callbacks, the chief's copies' attributes come back into the caller's
+  callbacks at the end (`portable_states`, `take_states`).
+"""
+
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import keras
+
+from kdist.engines.contract import Engine
+
+WRITES_FILES = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
+                keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+
+
+class Hooks:
+    """The run's callbacks (none: every method does nothing and costs nothing)."""
+
+    def __init__(self, callbacks: Sequence[keras.callbacks.Callback], model: keras.Model,
+                 engine: Engine, epochs: int, steps: int | None):
+        kept = [c for c in callbacks if engine.is_chief or not isinstance(c, WRITES_FILES)]
+        self.engine, self.model = engine, model
+        # The same on every worker: `poll_stop` is a collective.
+        self.active = bool(callbacks)
+        self._logs = _EpochLogs()  # Last: it sees what the others added.
+        self.callbacks = keras.callbacks.CallbackList(
+            [*kept, self._logs], model=model, verbose=0, epochs=epochs, steps=steps)
+        self.stopped = False  # Whether a callback's stop has been agreed on.
+        model.stop_training = False
+
+    def _call(self, method: str, *args: Any) -> None:
+        if self.active:
+            self.engine.sync_to_model()
+            getattr(self.callbacks, method)(*args)
+            self.engine.sync_from_model()
+
+    def train_begin(self) -> None:
+        self._call("on_train_begin")
+
+    def train_end(self, logs: dict[str, float]) -> None:
+        self._call("on_train_end", dict(logs))
+
+    def epoch_begin(self, epoch: int) -> None:
+        """`epoch` counted from 0, as Keras counts it."""
+        self._call("on_epoch_begin", epoch)
+
+    def epoch_end(self, epoch: int, logs: dict[str, float]) -> dict[str, float]:
+        """Returns what the callbacks added to `logs` ("learning_rate", say), as in
+        `fit`, where later callbacks and the `History` see them."""
+        self._call("on_epoch_end", epoch, logs)
+        return {k: float(v) for k, v in self._logs.logs.items() if k not in logs}
+
+    def test_begin(self) -> None:
+        self._call("on_test_begin")
+
+    def test_end(self, logs: dict[str, float]) -> None:
+        self._call("on_test_end", dict(logs))
+
+    def batch_begin(self, step: int) -> None:
+        """Before a chunk whose first step is `step` of the epoch (from 0)."""
+        self._call("on_train_batch_begin", step)
+
+    def batch_end(self, step: int, logs: dict[str, float]) -> None:
+        """After a chunk whose last step is `step` of the epoch (from 0); `logs` are the
+        epoch's results so far, as in `fit`."""
+        self._call("on_train_batch_end", step, dict(logs))
+
+    def poll_stop(self) -> bool:
+        """Whether any worker's callback has set `model.stop_training`; a collective
+        on every worker (with callbacks; with none, no communication)."""
+        if self.active and not self.stopped:
+            self.stopped = self.engine.any_worker(bool(self.model.stop_training))
+        return self.stopped
+
+
+class _EpochLogs(keras.callbacks.Callback):
+    """Keeps the logs of the last `on_epoch_end`, as the callbacks before it left them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logs: dict[str, Any] = {}
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self.logs = dict(logs or {})
+
+
+def portable_states(callbacks: Sequence[keras.callbacks.Callback]) -> list[dict[str, Any]]:
+    """Each callback's attributes that pickle, but its model (an open file does not)."""
+    def pickles(value: Any) -> bool:
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 (whatever pickling raises: the attribute stays)
+            return False
+        return True
+
+    return [{k: v for k, v in vars(c).items() if k != "_model" and pickles(v)}
+            for c in callbacks]
+
+
+def take_states(callbacks: Sequence[keras.callbacks.Callback],
+                states: list[dict[str, Any]] | None, model: keras.Model | None) -> None:
+    """Gives `callbacks` the attributes of `states` (the chief replica process's
+    copies') and `model`, the trained model, as `fit` leaves them with its model."""
+    for callback, state in zip(callbacks, states or [{}] * len(callbacks), strict=True):
+        vars(callback).update(state)
+        if model is not None:
+            callback.set_model(model)

@@ -1,0 +1,197 @@
+"""Keras callbacks in `train_and_evaluate`, each against `fit` with the same callback.
+
+Both sides start from the same weights and see the same batches in the same
+order (kdist's epoch order, fed to `fit` by a PyDataset) with plain SGD,
+chunks of 4 steps (`steps_per_execution=4` on both; 1 on torch, whose `fit`
+takes no other) and 2 replicas for kdist: so the callbacks see the same
+logs, make the same decisions, and the runs end with the same weights.
+"""
+
+import csv
+
+import keras
+import numpy as np
+import pytest
+from test_fit_parity import BATCH, classification_data, regularized_classifier
+
+import kdist
+from kdist.inputs import arrays, base
+
+REPLICAS, SEED, EPOCHS = 2, 3, 4
+CHUNK = 1 if keras.backend.backend() == "torch" else 4  # Steps per compiled call.
+TRAIN_X, TRAIN_Y = classification_data(1000, seed=4)  # 15 global batches of 64, and 40 rows.
+TEST_X, TEST_Y = classification_data(301, seed=5)
+
+
+class KdistOrder(keras.utils.PyDataset):
+    """kdist's batches of each epoch, in its order, for `fit`; its callback `follow`
+    tells it the epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch, self.steps = 0, base.steps_per_epoch(len(TRAIN_X), BATCH)
+        self.follow = keras.callbacks.LambdaCallback(
+            on_epoch_begin=lambda epoch, logs: setattr(self, "epoch", epoch))
+
+    def __len__(self):
+        return self.steps
+
+    def __getitem__(self, index):
+        order = arrays.epoch_order(len(TRAIN_X), SEED, self.epoch)
+        rows = order[index * BATCH:(index + 1) * BATCH]
+        return TRAIN_X[rows], TRAIN_Y[rows]
+
+
+class Recorder(keras.callbacks.Callback):
+    """A user's own callback: the calls it gets, and the learning rate at each epoch."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.rates = [], []
+
+    def on_train_begin(self, logs=None):
+        self.calls.append(("train_begin",))
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(("epoch_begin", epoch))
+        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.calls.append(("batch_begin", batch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("batch_end", batch, sorted(logs)))
+
+    def on_test_begin(self, logs=None):
+        self.calls.append(("test_begin",))
+
+    def on_test_end(self, logs=None):
+        self.calls.append(("test_end", sorted(logs)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(("epoch_end", epoch, sorted(logs)))
+
+    def on_train_end(self, logs=None):
+        self.calls.append(("train_end", sorted(logs)))
+
+
+def model_fn():
+    model = regularized_classifier()
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss=model.loss, metrics=["accuracy"],
+                  steps_per_execution=CHUNK)
+    return model
+
+
+def both(callbacks_fn, tmp_path):
+    """(kdist's result, fit's model and History), each run with `callbacks_fn(side)`;
+    both models are built after `keras.utils.set_random_seed(SEED)` (kdist's run
+    does it, in each replica process on torch), so they start from the same weights."""
+    config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
+                               batch_size_per_replica=BATCH // REPLICAS,
+                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path / "ckpt"))
+    result = kdist.train_and_evaluate(
+        config, kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy"), model_fn=model_fn,
+        log=lambda line: None, callbacks=callbacks_fn("kdist"))
+    if keras.backend.backend() == "jax":
+        keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(SEED)
+    reference, batches = model_fn(), KdistOrder()
+    history = reference.fit(batches, epochs=EPOCHS, shuffle=False, verbose=0,
+                            validation_data=(TEST_X, TEST_Y), validation_batch_size=BATCH,
+                            callbacks=[batches.follow, *callbacks_fn("fit")])
+    return result, reference, history
+
+
+def assert_same_run(result, reference, history):
+    assert sorted(result.history) == sorted(history.history)
+    for key, values in history.history.items():
+        assert result.history[key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
+    for ours, theirs in zip(result.model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit(tmp_path):
+    """EarlyStopping stops after epoch 2 of 4 and restores epoch 1's weights; the
+    schedule sets each epoch's learning rate; the CSV logs and the own
+    callback's calls, with their indices and log keys, are fit's."""
+    made = {}
+
+    def callbacks(side):
+        made[side] = [
+            keras.callbacks.LearningRateScheduler(lambda epoch, rate: 0.5 * 0.6 ** epoch),
+            keras.callbacks.EarlyStopping("loss", min_delta=1.0, patience=1,
+                                          restore_best_weights=True),
+            keras.callbacks.CSVLogger(str(tmp_path / f"{side}.csv")),
+            Recorder()]
+        return made[side]
+
+    result, reference, history = both(callbacks, tmp_path)
+    assert_same_run(result, reference, history)
+    assert len(result.epochs) == 2 and result.stopped_by_callback
+    ours, theirs = made["kdist"][-1], made["fit"][-1]
+    last = KdistOrder().steps - 1  # fit gives the epoch's last chunk begin + 4 - 1: 15.
+    assert ours.calls == [(call[0], min(call[1], last), *call[2:]) if call[0] == "batch_end"
+                          else call for call in theirs.calls]
+    assert ours.rates == pytest.approx([0.5, 0.3])
+    with open(tmp_path / "kdist.csv") as f, open(tmp_path / "fit.csv") as g:
+        mine, fits = list(csv.DictReader(f)), list(csv.DictReader(g))
+    assert [list(row) for row in mine] == [list(row) for row in fits]
+    assert [float(r["val_loss"]) for r in mine] == pytest.approx(
+        [float(r["val_loss"]) for r in fits], rel=1e-5)
+    # The newest checkpoint holds the weights as trained; the model in hand, the best ones.
+    newest = model_fn()
+    newest.load_weights(result.restored["checkpoint"])
+    assert not np.allclose(newest.get_weights()[0], result.model.get_weights()[0])
+
+
+def test_reduce_lr_on_plateau_halves_the_learning_rate_as_in_fit(tmp_path):
+    """No epoch improves the loss by 1.0: from the second on, each halves the rate
+    after logging it."""
+    result, reference, history = both(lambda side: [keras.callbacks.ReduceLROnPlateau(
+        "loss", factor=0.5, patience=1, min_delta=1.0)], tmp_path)
+    assert_same_run(result, reference, history)
+    assert result.history["learning_rate"] == pytest.approx([0.5, 0.5, 0.25, 0.125])
+
+
+class StopOnOneReplica(keras.callbacks.Callback):
+    """Sets `stop_training` in epoch 2 from step 5 on, on the last replica only (a
+    process of its own on torch)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        last = True
+        if keras.backend.backend() == "torch":
+            import torch.distributed
+
+            last = torch.distributed.get_rank() == REPLICAS - 1
+        if self.epoch == 1 and batch >= 5 and last:
+            self.model.stop_training = True
+
+
+def test_a_stop_from_one_replica_ends_every_replica_with_a_checkpoint_and_the_model(tmp_path):
+    """Every replica stops after the chunk in which one set `stop_training`, with a
+    checkpoint there; the model in hand predicts as that checkpoint does; and
+    running again resumes into the stopped state: nothing more is trained."""
+    config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
+                               batch_size_per_replica=BATCH // REPLICAS,
+                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path))
+    data = kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy")
+    lines = []
+    result = kdist.train_and_evaluate(config, data, model_fn=model_fn, log=lines.append,
+                                      callbacks=[StopOnOneReplica()])
+    steps = KdistOrder().steps
+    stopped_at = steps + 6 if CHUNK == 1 else steps + 8  # After the chunk of step 5.
+    assert result.stopped_by_callback and len(result.epochs) == 1
+    assert result.restored["checkpoint"].endswith(f"ckpt-{stopped_at:08d}.weights.h5")
+    assert f"A callback stopped training (model.stop_training) at epoch 2, step " \
+           f"{stopped_at - steps}" in lines
+    newest = model_fn()
+    newest.load_weights(result.restored["checkpoint"])
+    np.testing.assert_array_equal(result.model.predict(TEST_X, verbose=0),
+                                  newest.predict(TEST_X, verbose=0))
+    again = kdist.train_and_evaluate(config, data, model_fn=model_fn, log=lines.append)
+    assert "where a callback stopped training: nothing left to train" in "\n".join(lines)
+    assert again.restored["checkpoint"] == result.restored["checkpoint"]
+    assert again.epochs == result.epochs and again.stopped_by_callback
