@@ -68,6 +68,19 @@ def check_metrics_file(path, name="--metrics-file"):
         check_writable_file(target, name)
 
 
+def check_output_folder(path, name):
+    """Raises UsageError unless `path` is a writable folder or can be created as one."""
+    if path is None:
+        return
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"{name} {path}: {existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK):
+        raise UsageError(f"{name} {path}: {existing} is not writable")
+
+
 def check_writable_file(path, name):
     """Raises UsageError unless `path` can be created or overwritten as a file."""
     folder = os.path.dirname(os.path.abspath(path))

@@ -69,6 +69,10 @@ class TrainConfig:
         None, "write one JSON object per epoch (and one for the restored model) to this file, "
               "and the epochs as CSV to PATH with .csv in place of its suffix; a fresh run "
               "empties both, a resumed one rewrites them from its checkpoint")
+    tensorboard: str | None = _setting(
+        None, "write TensorBoard event files to this folder, laid out as Keras' TensorBoard "
+              "callback's: per epoch, and after every compiled chunk of steps (needs the "
+              "tensorboard package: pip install 'kdist[tensorboard]')")
     progress: bool = _setting(False, "show a progress bar (the CLI: on in a terminal, "
                                      "unless --quiet)", flag=None)
     break_lock: bool = _setting(

@@ -82,13 +82,14 @@ def model_fn():
     return model
 
 
-def both(callbacks_fn, tmp_path):
+def both(callbacks_fn, tmp_path, **settings):
     """(kdist's result, fit's model and History), each run with `callbacks_fn(side)`;
     both models are built after `keras.utils.set_random_seed(SEED)` (kdist's run
     does it, in each replica process on torch), so they start from the same weights."""
     config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
                                batch_size_per_replica=BATCH // REPLICAS,
-                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path / "ckpt"))
+                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path / "ckpt"),
+                               **settings)
     result = kdist.train_and_evaluate(
         config, kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy"), model_fn=model_fn,
         log=lambda line: None, callbacks=callbacks_fn("kdist"))
@@ -144,13 +145,50 @@ def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit
     assert not np.allclose(newest.get_weights()[0], result.model.get_weights()[0])
 
 
-def test_reduce_lr_on_plateau_halves_the_learning_rate_as_in_fit(tmp_path):
+def test_reduce_lr_on_plateau_halves_the_learning_rate_as_in_fit_and_tensorboard_shows_it(
+        tmp_path):
     """No epoch improves the loss by 1.0: from the second on, each halves the rate
-    after logging it."""
+    after logging it. `tensorboard=DIR` writes the run's curves, read back with
+    TensorBoard's own reader: per epoch, as Keras' TensorBoard callback lays them
+    out, and after every chunk at the global step."""
     result, reference, history = both(lambda side: [keras.callbacks.ReduceLROnPlateau(
-        "loss", factor=0.5, patience=1, min_delta=1.0)], tmp_path)
+        "loss", factor=0.5, patience=1, min_delta=1.0)], tmp_path,
+        tensorboard=str(tmp_path / "tb"))
     assert_same_run(result, reference, history)
     assert result.history["learning_rate"] == pytest.approx([0.5, 0.5, 0.25, 0.125])
+
+    train, validation = (tensorboard_events(tmp_path / "tb" / split)
+                         for split in ("train", "validation"))
+    for split, prefix, names in ((train, "", ("loss", "accuracy", "learning_rate")),
+                                 (validation, "val_", ("loss", "accuracy"))):
+        for name in names:
+            steps, values = zip(*split[f"epoch_{name}"])
+            assert steps == tuple(range(EPOCHS)), name
+            assert values == pytest.approx(result.history[prefix + name], rel=1e-6), name
+    steps = KdistOrder().steps  # Per epoch.
+    chunk_ends = [e * steps + min(s + CHUNK, steps) for e in range(EPOCHS)
+                  for s in range(0, steps, CHUNK)]
+    for name in ("loss", "accuracy", "learning_rate", "samples_per_sec"):
+        assert [step for step, _ in train[f"batch_{name}"]] == chunk_ends, name
+    assert [v for s, v in train["batch_loss"] if s % steps == 0] == pytest.approx(
+        result.history["loss"], rel=1e-6)  # An epoch's last chunk: the epoch's loss.
+    assert [v for s, v in train["batch_learning_rate"] if s % steps == 0] == pytest.approx(
+        result.history["learning_rate"])  # The epoch's rate: it is halved at its end.
+    assert all(v > 0 for _, v in train["batch_samples_per_sec"])
+    assert "| tensorboard |" in train["config"] and "Replicas: 2" in train["config"]
+
+
+def tensorboard_events(folder):
+    """{tag: [(step, value)...]} of the scalars, {tag: text} of the texts, in `folder`."""
+    from tensorboard.backend.event_processing import event_accumulator
+
+    events = event_accumulator.EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    found = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+             for tag in events.Tags()["scalars"]}
+    for tag in events.Tags()["tensors"]:
+        found[tag] = events.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+    return found
 
 
 class StopOnOneReplica(keras.callbacks.Callback):

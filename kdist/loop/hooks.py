@@ -28,9 +28,11 @@ from typing import Any
 import keras
 
 from kdist.engines.contract import Engine
+from kdist.loop.tensorboard import RunToTensorBoard
 
 WRITES_FILES = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
-                keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+                keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore,
+                RunToTensorBoard)
 
 
 class Hooks:

@@ -21,7 +21,7 @@ from kdist import checkpoints, checks, engines, records
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.inputs import arrays, base, pipelines, sources
-from kdist.loop import building, hooks, replicas, reporting
+from kdist.loop import building, hooks, replicas, reporting, tensorboard
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
 from kdist.loop.evaluation import evaluate_checkpoint, model_in_hand
 from kdist.loop.result import TrainingResult, epoch_logs, keras_history
@@ -105,6 +105,9 @@ def _train(run, log, stop, callbacks):
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
     if chief:
         checks.check_metrics_file(config.metrics_file, "metrics_file")
+        checks.check_output_folder(config.tensorboard, "tensorboard")
+        if config.tensorboard is not None:
+            tensorboard.check_available()
     else:
         log = _quiet
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
@@ -114,7 +117,8 @@ def _train(run, log, stop, callbacks):
                                       run.step.metric_names("test"))
     position = run.position
     metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
-    calls = hooks.Hooks(callbacks, run.model, run.engine, config.epochs, run.steps)
+    own = [_to_tensorboard(run, position)] if config.tensorboard else []
+    calls = hooks.Hooks([*callbacks, *own], run.model, run.engine, config.epochs, run.steps)
     calls.train_begin()
     while position.epoch < config.epochs and not position.stopped:
         calls.epoch_begin(position.epoch)
@@ -153,6 +157,16 @@ def _train(run, log, stop, callbacks):
         f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
     return dataclasses.replace(result, restored=restored)
+
+
+def _to_tensorboard(run, position):
+    """The callback that writes `config.tensorboard` (`kdist.loop.tensorboard`)."""
+    settings = {f.name: getattr(run.config, f.name) for f in dataclasses.fields(run.config)}
+    return tensorboard.RunToTensorBoard(
+        run.config.tensorboard, run.step.optimizers, run.global_batch,
+        position.global_step(run.steps or 0), settings,
+        reporting.banner(run.engine, run.config, run.global_batch, run.steps, run.dataset,
+                         run.note, run.train_chunk).replace("\n", "  \n"))
 
 
 def _checkpoint_due(config, position):
