@@ -26,12 +26,14 @@ if TYPE_CHECKING:
 DEFAULT_LEARNING_RATE = 1e-3  # Of the optimizers kdist builds (--optimizer).
 
 
-def _setting(default, help, flag="", choices=None):
+def _setting(default, help, flag="", choices=None, metavar=None):
     """A field with a default and its flag's help; `flag` None: no flag, "": the default
-    name; `choices`: the values the flag takes."""
+    name; `choices`: the values the flag takes; `metavar`: its value's name in --help."""
     metadata = {"help": help} if flag == "" else {"help": help, "flag": flag}
     if choices is not None:
         metadata["choices"] = choices
+    if metavar is not None:
+        metadata["metavar"] = metavar
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -48,7 +50,8 @@ class TrainConfig:
     replicas: int | None = _setting(
         None, "data-parallel replicas (default: every visible device; on a CPU-only machine "
               "N splits the CPU into N devices; on torch, N processes, which kdist starts)")
-    checkpoint_dir: str = _setting("./training_checkpoints", "folder for checkpoints")
+    checkpoint_dir: str = _setting("./training_checkpoints", "folder for checkpoints",
+                                   metavar="DIR")
     checkpoint_every: int = _setting(2, "checkpoint every N epochs, and always after the last")
     keep: int = _setting(3, "checkpoints to keep")
     resume: bool = _setting(
@@ -68,11 +71,11 @@ class TrainConfig:
     metrics_file: str | None = _setting(
         None, "write one JSON object per epoch (and one for the restored model) to this file, "
               "and the epochs as CSV to PATH with .csv in place of its suffix; a fresh run "
-              "empties both, a resumed one rewrites them from its checkpoint")
+              "empties both, a resumed one rewrites them from its checkpoint", metavar="PATH")
     tensorboard: str | None = _setting(
         None, "write TensorBoard event files to this folder, laid out as Keras' TensorBoard "
               "callback's: per epoch, and after every compiled chunk of steps (needs the "
-              "tensorboard package: pip install 'kdist[tensorboard]')")
+              "tensorboard package: pip install 'kdist[tensorboard]')", metavar="DIR")
     progress: bool = _setting(False, "show a progress bar (the CLI: on in a terminal, "
                                      "unless --quiet)", flag=None)
     break_lock: bool = _setting(

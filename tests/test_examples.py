@@ -20,6 +20,7 @@ from example_steps import (
     train,
     weights,
 )
+from helpers import SEVERAL
 
 import kdist
 from kdist.errors import Interrupted, UsageError
@@ -176,20 +177,53 @@ def test_kdist_evaluate_restores_a_step_of_your_own_from_its_file(tmp_path, caps
     assert status == 0 and f"{path}: Test d_loss: " in out and ", Test g_loss: " in out, out
 
 
+MINE = """import keras
+
+def model():
+    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+"""
+
+
+def test_kdist_train_and_evaluate_take_your_compiled_model_from_a_file(tmp_path, capsys):
+    """`kdist-train --model mine.py` trains the file's compiled model (its optimizer,
+    loss and metrics) with the CLI's flags and checkpoints; `kdist-evaluate --model
+    mine.py` restores it with the same accuracy."""
+    from kdist.cli import evaluate
+    from kdist.cli import train as train_cli
+
+    path, folder = tmp_path / "mine.py", str(tmp_path / "ckpt")
+    path.write_text(MINE)
+    common = ["--synthetic", "1200", "--checkpoint-dir", folder, "--model", str(path)]
+    assert train_cli.main([*common, "--epochs", "1", "--steps-per-epoch", "6", "--quiet",
+                           "--replicas", str(SEVERAL)]) == 0
+    trained = capsys.readouterr().out
+    assert "Saved checkpoint" in trained and "Test Accuracy: " in trained
+    restored = trained.split("without distribution: ")[-1].strip()
+    assert evaluate.main(common[:-2] + ["--model", str(path)]) == 0
+    assert capsys.readouterr().out.strip().endswith(restored)
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate"])
 @pytest.mark.parametrize("text, message", [
     (None, "no such file"),
     ("def model(:\n", "does not run: SyntaxError"),
     ("x = 1\n", "defines no function model()"),
 ])
-def test_kdist_evaluate_model_file_mistakes_are_one_line(tmp_path, capsys, text, message):
+def test_model_file_mistakes_are_one_line(tmp_path, capsys, command, text, message):
     from kdist.cli import evaluate
+    from kdist.cli import train as train_cli
 
     path = tmp_path / "mine.py"
     if text is not None:
         path.write_text(text)
     (tmp_path / "ckpt").mkdir()
+    main = train_cli.main if command == "train" else evaluate.main
     with pytest.raises(SystemExit) as exit_:
-        evaluate.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--synthetic", "240",
-                       "--model", str(path)])
+        main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--synthetic", "240",
+              "--model", str(path)])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err.splitlines()[-1]

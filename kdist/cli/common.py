@@ -4,6 +4,7 @@ Every main maps kdist's errors to exit statuses in one place, `run`.
 """
 
 import functools
+import os
 import signal
 import sys
 import warnings
@@ -159,3 +160,33 @@ def check_paths(args):
         from kdist.datasets import fashion_mnist
 
         fashion_mnist.check_data_dir(args.data_dir)
+
+
+def add_model_flag(parser, what):
+    """--model FILE.py: a file whose function model() builds `what`."""
+    parser.add_argument("--model", metavar="FILE.py", default=None,
+                        help=f"a Python file whose function model() builds {what} (default: "
+                             "the tutorial CNN)")
+
+
+def check_model_file(path):
+    """Raises UsageError unless `path` is a file (before anything starts)."""
+    if not os.path.isfile(path):
+        raise errors.UsageError(f"--model {path}: no such file")
+
+
+def model_function(path):
+    """The function `model` of the Python file at `path`."""
+    import importlib.util
+
+    check_model_file(path)
+    spec = importlib.util.spec_from_file_location("kdist_evaluated_model", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as e:  # A file that does not run: one line, as for other flags.
+        raise errors.UsageError(f"--model {path} does not run: {type(e).__name__}: {e}") from e
+    if not callable(getattr(module, "model", None)):
+        raise errors.UsageError(f"--model {path} defines no function model() that builds "
+                                "the model")
+    return module.model

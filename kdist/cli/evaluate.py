@@ -19,34 +19,14 @@ def main(argv=None):
                     "print its test accuracy.")
     common.add_data_flags(parser)
     add_config_flags(parser, ["precision", "seed"])
-    parser.add_argument("--model", metavar="FILE.py", default=None,
-                        help="a Python file whose function model() builds the model the "
-                             "checkpoint was trained with, a model of your own (e.g. "
-                             "examples/dcgan.py; default: the tutorial CNN)")
+    common.add_model_flag(parser, "the model the checkpoint was trained with, a model of "
+                                  "your own such as examples/dcgan.py")
     return common.run(parser, argv, _evaluate)
-
-
-def model_function(path):
-    """The function `model` of the Python file at `path`."""
-    import importlib.util
-
-    if not os.path.isfile(path):
-        raise errors.UsageError(f"--model {path}: no such file")
-    spec = importlib.util.spec_from_file_location("kdist_evaluated_model", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    try:
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except Exception as e:  # A file that does not run: one line, as for other flags.
-        raise errors.UsageError(f"--model {path} does not run: {type(e).__name__}: {e}") from e
-    if not callable(getattr(module, "model", None)):
-        raise errors.UsageError(f"--model {path} defines no function model() that builds "
-                                "the model")
-    return module.model
 
 
 def _evaluate(args):
     common.start(args)
-    model_fn = model_function(args.model) if args.model else kdist.create_model  # First.
+    model_fn = common.model_function(args.model) if args.model else kdist.create_model
     path = kdist.latest_checkpoint(args.checkpoint_dir)
     if path is None:
         raise errors.CheckpointError(f"no checkpoint in {os.path.abspath(args.checkpoint_dir)}; "

@@ -64,8 +64,9 @@ def config_argument(field):
     if field.default is not None and kind is not bool and "(default" not in help:
         help += " (default: %(default)s)"
     keywords = dict(dest=field.name, default=field.default, help=help)
-    if "choices" in field.metadata:
-        keywords["choices"] = field.metadata["choices"]
+    for key in ("choices", "metavar"):
+        if key in field.metadata:
+            keywords[key] = field.metadata[key]
     if kind is bool:
         keywords["action"] = "store_false" if field.default else "store_true"
     elif kind in (int, float):

@@ -14,10 +14,11 @@ import kdist
 from kdist import config
 from kdist.cli import common
 from kdist.cli.flags import add_config_flags, config_from_args
+from kdist.errors import UsageError
 from kdist.workers.processes import follow_launcher
 
 
-def train_parser(prog="train.py", description=None):
+def train_parser(prog="train.py", description=None, model_flag=True):
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description or (
@@ -31,6 +32,10 @@ def train_parser(prog="train.py", description=None):
                         default=config.DEFAULT_OPTIMIZER,
                         help="the optimizer; sgd is plain SGD, for exact comparisons between "
                              "runs; --learning-rate applies to any (default: %(default)s)")
+    if model_flag:
+        common.add_model_flag(parser, "your model, compiled as for fit (its optimizer, loss "
+                                      "and metrics; --optimizer and --learning-rate then do "
+                                      "not apply), or with its own train_step")
     common.add_data_flags(parser, checkpoints=False)
     parser.add_argument("--tfrecords", default=None, metavar="DIR",
                         help="stream the data from the TFRecord files of DIR (written by "
@@ -46,8 +51,8 @@ def main(argv=None, model_fn=None, description=None, after=None):
     with the same flags (`--optimizer` and `--learning-rate` are then the
     script's to read from `args`). `after(args)` runs once training has
     ended well. Returns the exit status."""
-    parser = (train_parser(os.path.basename(sys.argv[0]), description) if model_fn
-              else train_parser())
+    parser = (train_parser(os.path.basename(sys.argv[0]), description, model_flag=False)
+              if model_fn else train_parser())
 
     def body(args):
         status = _train(args) if model_fn is None else _train(args, model_fn)
@@ -59,12 +64,21 @@ def main(argv=None, model_fn=None, description=None, after=None):
 
 
 def _train(args, model_fn=None):
+    model_file = getattr(args, "model", None)  # --model FILE.py: its model(), no flags.
+    if model_file:
+        common.check_model_file(model_file)
+        if args.learning_rate is not None:
+            raise UsageError(f"--learning-rate: the model of --model {model_file} has its own "
+                             "optimizer; set its learning rate there")
     stop = kdist.StopRequest()
     supervised = follow_launcher(stop)  # Under kdist-launch: stop when it is gone.
     spec = common.cluster_spec(args)
     common.check_paths(args)
     common.start(args, args.replicas)
     common.connect(spec, args.replicas)
+    if model_file:  # After `start`: the file may import Keras.
+        from_file = common.model_function(model_file)
+        model_fn = lambda args: from_file()  # noqa: E731
     run_config = config_from_args(
         args, progress=sys.stdout.isatty() and not args.quiet and spec.is_chief)
     model: dict[str, Any] = dict(optimizer_fn=config.OPTIMIZERS[args.optimizer])
