@@ -42,6 +42,9 @@ def check_config(config):
         check_positive(config.learning_rate, "learning_rate", kind=float)
     check_positive(config.replicas, "replicas", optional=True)
     check_positive(config.steps_per_epoch, "steps_per_epoch", optional=True)
+    check_positive(config.checkpoint_every_steps, "checkpoint_every_steps", optional=True)
+    check_positive(config.checkpoint_every_minutes, "checkpoint_every_minutes", kind=float,
+                   optional=True)
     check_seed(config.seed)
     check_precision(config.precision)
 

@@ -53,6 +53,13 @@ class TrainConfig:
     checkpoint_dir: str = _setting("./training_checkpoints", "folder for checkpoints",
                                    metavar="DIR")
     checkpoint_every: int = _setting(2, "checkpoint every N epochs, and always after the last")
+    checkpoint_every_steps: int | None = _setting(
+        None, "also checkpoint after the compiled chunk of steps in which the global step "
+              "reaches a multiple of N, in the middle of an epoch too")
+    checkpoint_every_minutes: float | None = _setting(
+        None, "also checkpoint after the first chunk of steps that ends M minutes or more "
+              "after the run's start or its last checkpoint (workers agree on the step)",
+        metavar="M")
     keep: int = _setting(3, "checkpoints to keep")
     resume: bool = _setting(
         True, "start over even if --checkpoint-dir holds a checkpoint (default: resume from "

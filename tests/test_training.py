@@ -159,3 +159,40 @@ def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
     assert names == ["ckpt-00000010.weights.h5", "ckpt-00000006.weights.h5",
                      "ckpt-00000009.weights.h5"]
     assert result.restored["checkpoint"].endswith("ckpt-00000009.weights.h5")
+
+
+def test_checkpoints_by_steps_and_minutes_land_mid_epoch_and_resume_bitwise(tmp_path):
+    """--checkpoint-every-steps 5 saves after each chunk (4 steps) that reaches a multiple
+    of 5, mid-epoch too; a run resumed from the mid-epoch one, saving by minutes (every
+    chunk, here), ends bitwise where the straight run ends, keeping the newest 3."""
+    from test_fit_parity import classification_data, regularized_classifier
+
+    import kdist
+
+    x, y = classification_data(480 + 30, seed=4)  # 15 global batches of 32, and 30 rows.
+    data = kdist.Dataset(x[:480], y[:480], x[480:], y[480:], "toy")
+    settings = dict(epochs=2, batch_size_per_replica=16, replicas=2, steps_per_execution=4,
+                    seed=3, checkpoint_every=2)
+    straight = training.TrainConfig(**settings, checkpoint_every_steps=5, keep=20,
+                                    checkpoint_dir=str(tmp_path / "straight"))
+    lines = []
+    training.train_and_evaluate(straight, data, model_fn=regularized_classifier,
+                                log=lines.append)
+    steps = [int(p.split("-")[-1].split(".")[0]) for p in sorted(os.listdir(tmp_path / "straight"))]
+    assert steps == [8, 12, 15, 23, 27, 30]  # Chunks end at 4, 8, 12, 15, 19, 23, 27, 30.
+    assert sum(line.startswith("Saved checkpoint") for line in lines) == 6
+
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    os.link(tmp_path / "straight" / "ckpt-00000012.weights.h5",
+            resumed / "ckpt-00000012.weights.h5")
+    training.train_and_evaluate(
+        training.TrainConfig(**settings, checkpoint_every_minutes=1e-9,
+                             checkpoint_dir=str(resumed)),
+        data, model_fn=regularized_classifier, log=lines.append)
+    assert sorted(os.listdir(resumed)) == [f"ckpt-{s:08d}.weights.h5" for s in (23, 27, 30)]
+    a = checkpoint_arrays(tmp_path / "straight" / "ckpt-00000030.weights.h5")
+    b = checkpoint_arrays(resumed / "ckpt-00000030.weights.h5")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert np.array_equal(a[key], b[key]), key

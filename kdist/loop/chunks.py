@@ -38,7 +38,7 @@ def totals_from_json(values, step):
 
 
 def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
-              steps_per_execution=1, before_chunk=None):
+              steps_per_execution=1, before_chunk=None, after_chunk=None):
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
     Batches go to the engine in chunks of `steps_per_execution`, one compiled
@@ -49,7 +49,8 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
     so this thread only dispatches the calls. Statistics come back once per chunk and are
     then accounted step by step (`on_step(steps done, step stats, totals,
     last step of its chunk)`); `before_chunk(steps done)` is called before each
-    chunk runs. After each chunk `should_stop()` is called,
+    chunk runs, `after_chunk(steps done, totals)` after it. After each chunk
+    `should_stop()` is called,
     on every worker at the same point; when it returns true, no further
     chunk runs. Returns (totals, steps run).
     """
@@ -69,6 +70,8 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
                 done += 1
                 if on_step is not None:
                     on_step(done, stats, totals, i == count - 1)
+            if after_chunk is not None:
+                after_chunk(done, totals)
             if should_stop is not None and should_stop():
                 break
     finally:

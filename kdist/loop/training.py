@@ -122,7 +122,7 @@ def _train(run, log, stop, callbacks):
     calls.train_begin()
     while position.epoch < config.epochs and not position.stopped:
         calls.epoch_begin(position.epoch)
-        position, record = run.train_epoch(position, stop, calls)
+        position, record = run.train_epoch(position, stop, calls, log)
         if record is not None:  # The epoch's steps are done and it is evaluated.
             log(reporting.format_epoch(record, config.epochs, run.dynamic_loss_scale))
             stop.poll()  # A signal may have come during the evaluation.
@@ -134,7 +134,8 @@ def _train(run, log, stop, callbacks):
             log(f"A callback stopped training (model.stop_training) at epoch "
                 f"{position.epoch + (1 if position.step_in_epoch else 0)}, step "
                 f"{position.step_in_epoch or run.steps}")
-        if stop or position.stopped or _checkpoint_due(config, position):
+        if (stop or position.stopped or _checkpoint_due(config, position)
+                or run.periodic_due(position)):
             path = run.save(position)
             log(f"Saved checkpoint {path}")
         if record is not None:
@@ -220,11 +221,13 @@ class _Run:
             self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
                                                self.global_batch)
             self.engine.compile_steps(self.step)
+            self.saved_step = self.position.global_step(self.steps or 0)
+            self.saved_time = time.monotonic()
         except BaseException:
             self.manager.release()
             raise
 
-    def train_epoch(self, position, stop, calls):
+    def train_epoch(self, position, stop, calls, log):
         """Trains from `position` to the end of its epoch, then evaluates.
 
         Stops early after the step at which every worker agrees to stop (`stop`)
@@ -245,11 +248,21 @@ class _Run:
         on_step = _step_callback(self.step, epoch, first_step, self.global_batch, progress,
                                  calls)
         totals = position.totals if position.totals is not None else zero_totals(self.step)
+
+        def after_chunk(done, totals):  # A checkpoint by steps or minutes, mid-epoch.
+            here = dataclasses.replace(position, step_in_epoch=first_step + done,
+                                       totals=totals)
+            if here.step_in_epoch != self.steps and self.periodic_due(here):
+                if progress is not None:
+                    progress.close()  # Its line ends; the next update draws it again.
+                log(f"Saved checkpoint {self.save(here)}")
+
         try:
             totals, done = run_steps(
                 self.engine, self.engine.train_chunk, with_draws, totals, on_step,
                 lambda: stop.poll() or calls.poll_stop(), self.train_chunk,
-                before_chunk=lambda done: calls.batch_begin(first_step + done))
+                before_chunk=lambda done: calls.batch_begin(first_step + done),
+                after_chunk=after_chunk)
         finally:
             if progress is not None:
                 progress.close()
@@ -278,11 +291,26 @@ class _Run:
         """Checkpoints `position`; only the chief's copy is kept."""
         self.engine.sync_to_model()
         manager = self.manager if self.engine.is_chief else checkpoints.DiscardingManager()
-        return manager.save(
-            self.model, step=position.global_step(self.steps or 0), metadata=dict(
+        step = position.global_step(self.steps or 0)
+        path = manager.save(
+            self.model, step=step, metadata=dict(
                 position.as_metadata(), seed=self.config.seed, backend=self.engine.backend,
                 replicas=self.engine.num_replicas, global_batch_size=self.global_batch,
                 steps_per_epoch=self.steps))
+        self.saved_step, self.saved_time = step, time.monotonic()
+        return path
+
+    def periodic_due(self, position):
+        """Whether `--checkpoint-every-steps` or `--checkpoint-every-minutes` asks for a
+        checkpoint at `position`. With minutes, a collective on every worker: any
+        worker's clock past the mark makes every worker save at the same step."""
+        config, step = self.config, position.global_step(self.steps or 0)
+        every = config.checkpoint_every_steps
+        due = every is not None and step // every > self.saved_step // every
+        if config.checkpoint_every_minutes is not None:
+            late = time.monotonic() - self.saved_time >= 60 * config.checkpoint_every_minutes
+            due = self.engine.any_worker(late) or due
+        return due
 
 
 def _quiet(line):
