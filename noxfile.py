@@ -70,6 +70,11 @@ def extras(session, extra):
     session.run("python", "-c", "import kdist; kdist.train_and_evaluate", env=env)
     session.run("kdist-train", "--synthetic", "1200", "--epochs", "1", "--no-resume",
                 "--checkpoint-dir", os.path.join(folder, f"ckpt-{extra}"), env=env)
+    # --tensorboard without its extra: one line that names it, before anything loads.
+    out = session.run("kdist-train", "--tensorboard", os.path.join(folder, "tb"), env=env,
+                      silent=True, success_codes=[2])
+    if "pip install 'kdist[tensorboard]'" not in out:
+        session.error(f"--tensorboard without the tensorboard package: {out!r}")
 
 
 # The tests `lowest` runs by default: the loop, the replicas' equivalence, the commands.

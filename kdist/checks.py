@@ -6,6 +6,7 @@ runs them again for library callers. Every failure is a `UsageError`: one
 line that names the setting and what to change.
 """
 
+import importlib.util
 import math
 import os
 
@@ -69,6 +70,17 @@ def check_metrics_file(path, name="--metrics-file"):
                          f"{os.path.splitext(path)[0]}.jsonl")
     for target in (path, metrics_csv_path(path)):
         check_writable_file(target, name)
+
+
+def check_tensorboard(path, name="--tensorboard"):
+    """Raises UsageError unless the `tensorboard` package is installed and `path` can
+    hold its event files (None: nothing to check). Imports nothing."""
+    if path is None:
+        return
+    if importlib.util.find_spec("tensorboard") is None:
+        raise UsageError(f"{name} needs the tensorboard package: pip install "
+                         "'kdist[tensorboard]'")
+    check_output_folder(path, name)
 
 
 def check_output_folder(path, name):

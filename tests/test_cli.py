@@ -420,3 +420,23 @@ def test_bench_feeds_each_input_kind_every_example(kind):
     rows = {row.tobytes(): i for i, row in enumerate(dataset.test_x)}
     test = input_kinds.input_source(kind, dataset.split("test"), 32, "test").evaluate(32)
     assert sorted(rows[row.tobytes()] for b, _ in test for row in b[0]) == list(range(50))
+
+
+@pytest.mark.any_backend  # Checked before any framework loads.
+def test_a_bad_tensorboard_folder_or_no_tensorboard_package_exits_2_before_any_work(
+        tmp_path, capsys, monkeypatch):
+    (tmp_path / "file").write_text("")
+
+    def train(folder):
+        with pytest.raises(SystemExit) as exit_:
+            train_cli.main(["--synthetic", "600", "--tensorboard", folder,
+                            "--checkpoint-dir", str(tmp_path / "ck")])
+        assert exit_.value.code == 2
+        assert not (tmp_path / "ck").exists()  # Stopped before the checkpoint folder was made.
+        return capsys.readouterr().err.splitlines()[-1]
+
+    assert train(str(tmp_path / "file" / "tb")).endswith(f"{tmp_path / 'file'} is a file, "
+                                                           "not a folder")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert train(str(tmp_path / "tb")).endswith(
+        "--tensorboard needs the tensorboard package: pip install 'kdist[tensorboard]'")

@@ -156,6 +156,7 @@ def start(args, replicas=None):
 def check_paths(args):
     """Checks the output files and the data folder before the frameworks load."""
     checks.check_metrics_file(args.metrics_file)
+    checks.check_tensorboard(getattr(args, "tensorboard", None))
     if args.data_dir is not None and not args.synthetic:
         from kdist.datasets import fashion_mnist
 

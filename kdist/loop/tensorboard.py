@@ -22,18 +22,6 @@ from typing import Any
 import keras
 import numpy as np
 
-from kdist.errors import UsageError
-
-PACKAGE_HINT = "--tensorboard needs the tensorboard package: pip install 'kdist[tensorboard]'"
-
-
-def check_available() -> None:
-    """Raises `UsageError` unless the `tensorboard` package can be imported."""
-    try:
-        import tensorboard.summary.writer.event_file_writer  # noqa: F401
-    except ImportError:
-        raise UsageError(PACKAGE_HINT) from None
-
 
 class EventWriter:
     """Writes a run's scalars and configuration under `folder` (see the module)."""

@@ -105,9 +105,7 @@ def _train(run, log, stop, callbacks):
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
     if chief:
         checks.check_metrics_file(config.metrics_file, "metrics_file")
-        checks.check_output_folder(config.tensorboard, "tensorboard")
-        if config.tensorboard is not None:
-            tensorboard.check_available()
+        checks.check_tensorboard(config.tensorboard, "tensorboard")
     else:
         log = _quiet
     log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
