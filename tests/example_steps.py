@@ -136,14 +136,15 @@ def evaluate(name, checkpoint):
 
 if __name__ == "__main__":
     # train OUT REPLICAS [NAME...]: one line per example, its checkpoint and restored results.
-    # evaluate NAME CHECKPOINT: the restored results.
+    # evaluate NAME CHECKPOINT [NAME CHECKPOINT...]: one line of restored results for each.
     command, *rest = sys.argv[1:]
     sys.path.insert(0, REPO)
     from kdist.runtime import startup
 
     startup.prepare_environment(replicas=int(rest[1]) if command == "train" else None)
     if command == "evaluate":
-        print(json.dumps(evaluate(*rest)))
+        for name, checkpoint in zip(rest[::2], rest[1::2], strict=True):
+            print(json.dumps(dict(evaluate(name, checkpoint), example=name)))
     for example in (rest[2:] or EXAMPLES) if command == "train" else ():
         result, path = train(example, int(rest[1]), os.path.join(rest[0], example))
         print(json.dumps(dict(result.restored, example=example, path=path)))

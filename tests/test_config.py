@@ -17,7 +17,7 @@ from kdist.cli import evaluate as evaluate_cli
 from kdist.cli import flags
 from kdist.cli import train as train_cli
 from kdist.errors import DataError, UsageError
-from kdist.loop import reporting, training
+from kdist.loop import evaluation, reporting, training
 from kdist.runtime import startup
 
 # Nothing here depends on the backend (settings, flags and exit statuses): one session runs it.
@@ -55,7 +55,7 @@ def test_optimizer_choices_and_other_defaults_come_from_one_place():
     assert tuple(action.choices) == tuple(kdist.OPTIMIZERS) and action.default == "adam"
     assert training.OPTIMIZERS is kdist.OPTIMIZERS and training.adam is kdist.OPTIMIZERS["adam"]
     batch, spe = kdist.TrainConfig.batch_size_per_replica, kdist.TrainConfig.steps_per_execution
-    assert training.evaluate_checkpoint.__defaults__[-2:] == (batch, spe)
+    assert evaluation.evaluate_checkpoint.__defaults__[-2:] == (batch, spe)
     from kdist.bench import measure
 
     assert measure.run.__defaults__[1:] == (batch, None, choices.WINDOWS, spe, print)

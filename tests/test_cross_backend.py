@@ -101,12 +101,15 @@ def test_each_example_step_trains_alike_on_every_backend_and_restores_on_the_oth
     for backend in BACKENDS:
         lines = run(backend, EXAMPLE_STEPS, "train", str(tmp_path / backend), "2").splitlines()
         runs[backend] = {r["example"]: r for r in map(json.loads, lines[-5:])}
-    for example, written in runs["tensorflow"].items():
-        for other in ("jax", "torch"):
-            assert_same(written["path"], runs[other][example]["path"], 1e-4)
-            restored = json.loads(run(other, EXAMPLE_STEPS, "evaluate", example,
-                                      written["path"]).splitlines()[-1])
+    written = runs["tensorflow"]
+    for other in ("jax", "torch"):
+        for example in written:
+            assert_same(written[example]["path"], runs[other][example]["path"], 1e-4)
+        pairs = [arg for example in written for arg in (example, written[example]["path"])]
+        lines = run(other, EXAMPLE_STEPS, "evaluate", *pairs).splitlines()[-len(written):]
+        for restored in map(json.loads, lines):  # One process restores every example.
+            example = restored["example"]
             for key, value in restored.items():
                 if key.startswith("test_"):
-                    assert value == pytest.approx(written[key], rel=1e-4, abs=1e-5), (
-                        example, other, key)
+                    assert value == pytest.approx(written[example][key], rel=1e-4,
+                                                  abs=1e-5), (example, other, key)

@@ -17,7 +17,7 @@ from test_training import StopAfter, checkpoint_arrays
 
 from kdist import checkpoints, engines
 from kdist.inputs import arrays
-from kdist.loop import building, chunks, training
+from kdist.loop import building, chunks, evaluation, training
 from kdist.step.optimizer import ema_variables
 
 TOLERANCE = 1e-6
@@ -311,7 +311,7 @@ def test_every_evaluation_and_the_checkpoint_keep_the_moving_averages(tmp_path):
     # from them): a model without use_ema restored from it scores otherwise.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Its optimizer has fewer variables to load.
-        plain = training.evaluate_checkpoint(
+        plain = evaluation.evaluate_checkpoint(
             restored["checkpoint"], tiny_dataset(), model_fn(lambda: keras.optimizers.SGD(0.5)),
             batch_size=8)
     assert abs(plain["test_loss"] - restored["test_loss"]) > 1e-3

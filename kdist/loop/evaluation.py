@@ -33,6 +33,13 @@ def evaluate_checkpoint(
     draws come from it, as in each epoch's evaluation. Returns {"restored":
     True, "checkpoint": path, "test_loss": ..., and test_ each metric}.
     """
+    return restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
+                                steps_per_execution, precision=precision, seed=seed)[1]
+
+
+def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
+                         steps_per_execution, *, precision, seed):
+    """`evaluate_checkpoint`, returning (the restored model, its results)."""
     prepared = sources.prepare(dataset, splits=("test",))
     engine = engines.create_engine(distributed=False)
     model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
@@ -46,14 +53,18 @@ def evaluate_checkpoint(
     engine.compile_steps(step)
     results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution,
                               seed)
-    return dict(restored=True, checkpoint=path, **{f"test_{k}": v for k, v in results.items()})
+    return model, dict(restored=True, checkpoint=path,
+                       **{f"test_{k}": v for k, v in results.items()})
 
 
 def model_in_hand(result: TrainingResult, prepared: base.Prepared,
                   model_fn: Callable[[], keras.Model], loss_fn: Any, compute_loss: Any,
                   config: TrainConfig) -> TrainingResult:
-    """`result` with its model: built by `model_fn` with no distribution, holding
-    `result.weights`."""
+    """`result` with its model: built by `model_fn` with no distribution (unless the
+    restored evaluation built it already), holding `result.weights`."""
+    if result.model is not None:
+        result.model.set_weights(result.weights)
+        return dataclasses.replace(result, weights=None)
     engine = engines.create_engine(distributed=False)
     model, _ = building.prepare_model(
         engine, config.batch_size_per_replica, building.sample_rows(prepared), model_fn,

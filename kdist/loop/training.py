@@ -23,7 +23,7 @@ from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.inputs import arrays, base, pipelines, sources
 from kdist.loop import building, hooks, replicas, reporting, tensorboard
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
-from kdist.loop.evaluation import evaluate_checkpoint, model_in_hand
+from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
 from kdist.loop.result import TrainingResult, epoch_logs, keras_history
 from kdist.models.cnn import create_model
 from kdist.step import draws
@@ -92,7 +92,8 @@ def train_and_evaluate(
             run.manager.release()
     if os.environ.get(REPLICA_PROCESSES_VARIABLE) == "1":  # A replica process of `run`:
         # the process that started it builds the model and takes the callbacks' state.
-        return dataclasses.replace(result, callback_states=hooks.portable_states(callbacks))
+        return dataclasses.replace(result, model=None,
+                                   callback_states=hooks.portable_states(callbacks))
     result = model_in_hand(result, prepared, model_fn, loss_fn, compute_loss, config)
     hooks.take_states(callbacks, result.callback_states, result.model)
     return dataclasses.replace(result, callback_states=None)
@@ -148,14 +149,13 @@ def _train(run, log, stop, callbacks):
     if not chief or not run.step.evaluates:  # No test step, or the chief's checkpoint
         return result  # may not be visible here yet.
     latest = run.manager.latest()
-    restored = evaluate_checkpoint(latest[0], run.dataset, run.model_fn, run.loss_fn,
-                                   run.compute_loss, run.global_batch,
-                                   config.steps_per_execution, precision=config.precision,
-                                   seed=config.seed)
+    model, restored = restore_and_evaluate(
+        latest[0], run.dataset, run.model_fn, run.loss_fn, run.compute_loss, run.global_batch,
+        config.steps_per_execution, precision=config.precision, seed=config.seed)
     log(f"Restored {latest[0]} without distribution: "
         f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
-    return dataclasses.replace(result, restored=restored)
+    return dataclasses.replace(result, restored=restored, model=model)  # Its weights next.
 
 
 def _to_tensorboard(run, position):
