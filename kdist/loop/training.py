@@ -109,14 +109,15 @@ def _train(run, log, stop, callbacks):
         checks.check_tensorboard(config.tensorboard, "tensorboard")
     else:
         log = _quiet
-    log(reporting.banner(run.engine, config, run.global_batch, run.steps, dataset, run.note,
-                         run.train_chunk))
+    banner = reporting.banner(run.engine, config, run.global_batch, run.steps, dataset,
+                              run.note, run.train_chunk)
+    log(banner)
     metrics = reporting.MetricsWriter(config.metrics_file if chief else None,
                                       run.step.metric_names("train"),
                                       run.step.metric_names("test"))
     position = run.position
     metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
-    own = [_to_tensorboard(run, position)] if config.tensorboard else []
+    own = [_to_tensorboard(run, position, banner)] if config.tensorboard else []
     calls = hooks.Hooks([*callbacks, *own], run.model, run.engine, config.epochs, run.steps)
     calls.train_begin()
     while position.epoch < config.epochs and not position.stopped:
@@ -158,14 +159,13 @@ def _train(run, log, stop, callbacks):
     return dataclasses.replace(result, restored=restored, model=model)  # Its weights next.
 
 
-def _to_tensorboard(run, position):
-    """The callback that writes `config.tensorboard` (`kdist.loop.tensorboard`)."""
-    settings = {f.name: getattr(run.config, f.name) for f in dataclasses.fields(run.config)}
+def _to_tensorboard(run, position, banner):
+    """The callback that writes `config.tensorboard` (`kdist.loop.tensorboard`), showing
+    the run's `banner` above its settings."""
     return tensorboard.RunToTensorBoard(
         run.config.tensorboard, run.step.optimizers, run.global_batch,
-        position.global_step(run.steps or 0), settings,
-        reporting.banner(run.engine, run.config, run.global_batch, run.steps, run.dataset,
-                         run.note, run.train_chunk).replace("\n", "  \n"))
+        position.global_step(run.steps or 0), dataclasses.asdict(run.config),
+        banner.replace("\n", "  \n"))
 
 
 def _checkpoint_due(config, position):
