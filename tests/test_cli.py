@@ -306,6 +306,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
     (["--seed", "4294967296"], "--seed: expected a whole number in 0..4294967295"),
     (["--learning-rate", "inf"], "--learning-rate: must be a finite number, got inf"),
     (["--connect-timeout", "nan"], "--connect-timeout: must be greater than 0, got nan"),
+    (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps: must be greater than 0, got 0"),
+    (["--checkpoint-every-minutes", "inf"],
+     "--checkpoint-every-minutes: must be a finite number, got inf"),
     (["--worker-index", "-1", "--peers", "127.0.0.1:1,127.0.0.1:2"],
      "worker index -1 is not in 0..1"),
 ])
