@@ -24,6 +24,19 @@ ANY_BACKEND_SESSION = "tensorflow"  # Runs the tests marked any_backend too.
 # pip takes it from this project's machines (a local file); elsewhere point pip at
 # https://download.pytorch.org/whl/cpu, or PyPI's Linux wheel brings several GB of CUDA.
 TORCH_CPU = "torch==2.13.0"
+# filelock: JAX's compilation cache locks its folder with it (see jax_cache).
+TEST_TOOLS = ["filelock"]
+
+
+def jax_cache(session):
+    """The environment of JAX's persistent compilation cache, in the session's tmp
+    folder. The suite starts many short JAX processes (the commands, the workers)
+    that compile the same steps; with the cache, a step that took 0.2 s or more to
+    compile is compiled once per session. A size limit turns on the cache's file
+    lock, so no process reads an entry another is writing (docs/performance.md)."""
+    return {"JAX_COMPILATION_CACHE_DIR": os.path.join(session.create_tmp(), "jax-cache"),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.2",
+            "JAX_COMPILATION_CACHE_MAX_SIZE": str(8 << 30)}
 
 
 @nox.session
@@ -31,7 +44,7 @@ TORCH_CPU = "torch==2.13.0"
 def tests(session, backend):
     if backend in ("torch", "both"):
         session.install(TORCH_CPU)
-    session.install("-e", f".[{EXTRAS[backend]},test]")
+    session.install("-e", f".[{EXTRAS[backend]},test]", *TEST_TOOLS)
     if backend == "both":
         env = {"KERAS_BACKEND": "jax"}
         args = ["-m", "cross_backend"]
@@ -40,6 +53,8 @@ def tests(session, backend):
         # Tests that depend on no backend (marked any_backend) run in one session only.
         once = backend == ANY_BACKEND_SESSION
         args = ["-m", "not cross_backend" if once else "not cross_backend and not any_backend"]
+    if backend in ("jax", "both"):
+        env.update(jax_cache(session))
     session.run("pytest", "--durations=15", *args, *session.posargs, env=env)
 
 
@@ -108,10 +123,11 @@ def lowest(session, backend):
     constraints = os.path.join(session.create_tmp(), "lowest.txt")
     with open(constraints, "w") as f:
         f.write("\n".join(floors(backend)) + "\n")
-    session.install("-c", constraints, "-e", f".[{backend},test]")
+    session.install("-c", constraints, "-e", f".[{backend},test]", *TEST_TOOLS)
     session.run("python", "-m", "pip", "list")
+    env = {"KERAS_BACKEND": backend, **(jax_cache(session) if backend == "jax" else {})}
     session.run("pytest", "-m", "not cross_backend", *(session.posargs or LOWEST_TESTS),
-                env={"KERAS_BACKEND": backend})
+                env=env)
 
 
 @nox.session
