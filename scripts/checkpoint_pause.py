@@ -2,10 +2,13 @@
 
 For the tutorial CNN and an MLP of about 100 MB of float32 weights (Adam: 300 MB
 in the file), both compiled with Adam on one replica of the session's backend,
-it times train chunks of 8 steps, then each part of a checkpoint write as the
-loop does it (`CheckpointManager.save`): encoding the file in memory
-(`ckptfile.encode`: the variables read, checked finite, checksummed) and
-writing it (temporary file, fsync, rename, prune). Prints one JSON line per
+it times train chunks of 8 steps and a checkpoint written as the loop writes it
+(`kdist.checkpoints.background`): the pause is taking the snapshot (Keras'
+`save_weights` into memory); the check, checksum, write, fsync, rename and prune
+then run on a background thread while the loop trains, and the steps trained
+meanwhile are timed too (they share the CPU with the write: `cost_ms` adds
+their extra time to the pause). For comparison it also times the same checkpoint
+written in the foreground (`CheckpointManager.save`). Prints one JSON line per
 model with the medians of 5 rounds and the CPU.
 
     KERAS_BACKEND=jax python scripts/checkpoint_pause.py [--folder DIR]
@@ -30,7 +33,7 @@ import numpy as np  # noqa: E402
 
 from kdist import engines  # noqa: E402
 from kdist.bench import cpuinfo  # noqa: E402
-from kdist.checkpoints import CheckpointManager, ckptfile  # noqa: E402
+from kdist.checkpoints import CheckpointManager, background  # noqa: E402
 from kdist.loop import building, chunks  # noqa: E402
 from kdist.models.cnn import create_model  # noqa: E402
 
@@ -54,27 +57,39 @@ def measure(name, model_fn, folder):
     model, program = building.prepare_model(engine, BATCH, (x[:2], y[:2] * 0, None), model_fn)
     engine.compile_steps(program)
     chunk = engine.distribute(chunks.stack_chunk([(x, y, None, ())] * CHUNK))
-    engine.train_chunk(chunk, CHUNK)  # Compiles.
-    manager = CheckpointManager(folder, keep=2)
-    manager.prepare()
-    steps, encodes, writes = [], [], []
-    for round_ in range(ROUNDS):
+
+    def train():  # Seconds per step of one chunk.
         start = time.perf_counter()
         engine.train_chunk(chunk, CHUNK)
-        steps.append((time.perf_counter() - start) / CHUNK)
+        return (time.perf_counter() - start) / CHUNK
+
+    train()  # Compiles.
+    manager = CheckpointManager(folder, keep=2)
+    manager.prepare()
+    writer = background.BackgroundWriter(manager)
+    steps, pauses, during, foreground = [], [], [], []
+    for round_ in range(ROUNDS):
+        steps.append(train())
         start = time.perf_counter()
         engine.sync_to_model()
-        data = ckptfile.encode(model, {"epoch": 0, "step_in_epoch": round_})
-        encodes.append(time.perf_counter() - start)
+        writer.save(model, 2 * round_, {"epoch": 0, "step_in_epoch": 2 * round_})
+        pauses.append(time.perf_counter() - start)
+        while writer.busy and not writer.written():  # Training goes on meanwhile.
+            during.append(train())
         start = time.perf_counter()
-        manager._write(os.path.join(folder, f"ckpt-{round_:08d}.weights.h5"), data)
-        writes.append(time.perf_counter() - start)
-    step, encode, write = (statistics.median(v) for v in (steps, encodes, writes))
+        engine.sync_to_model()
+        path = manager.save(model, 2 * round_ + 1, {"epoch": 0, "step_in_epoch": 2 * round_ + 1})
+        foreground.append(time.perf_counter() - start)
+    step, pause, slow, fore = (statistics.median(v) for v in (steps, pauses, during, foreground))
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.weights)
     return dict(model=name, backend=keras.backend.backend(), weights_mb=round(weights / 1e6, 1),
-                file_mb=round(len(data) / 1e6, 1), step_ms=round(1000 * step, 2),
-                encode_ms=round(1000 * encode, 1), write_ms=round(1000 * write, 1),
-                pause_steps=round((encode + write) / step, 1),
+                file_mb=round(os.path.getsize(path) / 1e6, 1), step_ms=round(1000 * step, 2),
+                pause_ms=round(1000 * pause, 1), pause_steps=round(pause / step, 1),
+                step_during_write_ms=round(1000 * slow, 2),
+                steps_during_write=len(during) * CHUNK // ROUNDS,
+                # The loop's time lost to a checkpoint: the pause, and the steps slowed meanwhile.
+                cost_ms=round(1000 * (pause + len(during) * CHUNK // ROUNDS * (slow - step)), 1),
+                foreground_ms=round(1000 * fore, 1), foreground_steps=round(fore / step, 1),
                 **{k: v for k, v in cpuinfo.describe(measure_peak=False).items()
                    if k in ("cpu_model", "cpu_cores")})
 

@@ -299,3 +299,53 @@ def test_an_unlistable_folder_is_a_clear_error(tmp_path, monkeypatch):
     with pytest.raises(checkpoints.CheckpointError,
                        match=f"cannot read checkpoint folder {tmp_path}: Permission denied"):
         checkpoints.latest_checkpoint(str(tmp_path))
+
+
+KILLED_DURING_WRITE = """
+import os, sys, time
+import keras
+from kdist.checkpoints import CheckpointManager, background
+model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(2048), keras.layers.Dense(4)])
+model.compile(optimizer="adam", loss="mse")
+model.optimizer.build(model.trainable_variables)
+manager = CheckpointManager(sys.argv[1])
+manager.prepare()
+manager.save(model, 1, dict(epoch=1, history=[], backend="x", replicas=1, seed=0))
+os.fsync = lambda fd: time.sleep(600)  # A slow disk: the write hangs before its rename.
+model.layers[0].kernel.assign(model.layers[0].kernel + 1.0)
+writer = background.BackgroundWriter(manager)
+writer.save(model, 2, dict(epoch=2, history=[], backend="x", replicas=1, seed=0))
+print("training on", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_kill_during_a_background_write_leaves_the_older_checkpoint_valid(tmp_path):
+    """The process is killed while its background thread writes checkpoint 2 (the
+    bytes are in the temporary file, the rename is not done): checkpoint 1 stays
+    the newest valid one, and the next run's start removes the temporary file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "ckpt"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_DURING_WRITE, str(folder)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "training on\n"
+        deadline = time.monotonic() + 60
+        while not any(n.startswith(".tmp-") for n in os.listdir(folder)):
+            assert time.monotonic() < deadline, "the background write never started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert sorted(os.listdir(folder))[0].startswith(".tmp-")
+    manager = checkpoints.CheckpointManager(str(folder))
+    path, meta = manager.latest()
+    assert os.path.basename(path) == "ckpt-00000001.weights.h5" and meta["epoch"] == 1
+    manager.prepare()
+    assert sorted(os.listdir(folder)) == ["ckpt-00000001.weights.h5"]

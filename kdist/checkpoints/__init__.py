@@ -13,15 +13,19 @@ trusted only after its checksum and values check out; one that fails is
 skipped, with a warning naming it, for the newest one that passes. No
 checkpoint with non-finite values is written.
 
-Writes go to a temporary name in the same folder, are flushed to disk, then
-renamed: a failed write (a full disk, a read-only file system) leaves the
-previous checkpoints, removes the temporary file and raises `CheckpointError`
-naming the folder and the cause. The newest `keep` checkpoints are kept; a run
-that started over (--no-resume) replaces the old run's checkpoints only when
-it writes its first one. Only files with kdist's metadata are ever removed;
-others are left in place with a warning.
+A save is two parts: `take_snapshot` (the file in memory, as the model is now)
+and `CheckpointManager.write` (checks, writes, prunes), which
+`kdist.checkpoints.background` runs on a thread of its own. Writes go to a
+temporary name in the same folder, are flushed to disk, then renamed: a failed
+write (a full disk, a read-only file system) leaves the previous checkpoints,
+removes the temporary file and raises `CheckpointError` naming the folder and
+the cause. The newest `keep` checkpoints are kept; a run that started over
+(--no-resume) replaces the old run's checkpoints only when it writes its first
+one. Only files with kdist's metadata are ever removed; others are left in
+place with a warning.
 """
 
+import dataclasses
 import errno
 import os
 import re
@@ -155,10 +159,15 @@ class CheckpointManager:
 
     def save(self, model, step, metadata):
         """Writes checkpoint `step` atomically and prunes old ones; returns its path."""
-        final = os.path.join(self.directory, f"ckpt-{step:08d}.weights.h5")
-        meta = dict(metadata, step=step, signature=model_signature(model))
+        return self.write(take_snapshot(model, step, metadata))
+
+    def write(self, snapshot):
+        """Writes a `Snapshot` as checkpoint `ckpt-<its step>` atomically and prunes old
+        ones; returns its path. Raises `CheckpointError` (non-finite values, a failed
+        write); earlier checkpoints stay as they were."""
+        final = os.path.join(self.directory, f"ckpt-{snapshot.step:08d}.weights.h5")
         try:
-            data = ckptfile.encode(model, meta)
+            data = ckptfile.finish(snapshot.taken, snapshot.metadata)
         except ckptfile.NonFiniteWeights as e:
             raise CheckpointError(
                 f"refusing to write checkpoint {final}: the model has {e} (training "
@@ -170,7 +179,7 @@ class CheckpointManager:
         except OSError as e:
             raise CheckpointError(f"cannot write checkpoint in {self.directory}: "
                                   f"{e.strerror or e}") from None
-        self._prune(final, progress(meta))
+        self._prune(final, progress(snapshot.metadata))
         return final
 
     def _set_aside_foreign(self, final):
@@ -230,6 +239,21 @@ class CheckpointManager:
             except CheckpointError as e:
                 _warn(f"skipping {e}")
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """A checkpoint taken in memory (`ckptfile.snapshot`), not yet written."""
+
+    step: int
+    metadata: dict
+    taken: ckptfile.Buffer
+
+
+def take_snapshot(model, step, metadata):
+    """The `Snapshot` of `model` at global step `step`, with kdist's state `metadata`."""
+    return Snapshot(step, dict(metadata, step=step, signature=model_signature(model)),
+                    ckptfile.snapshot(model))
 
 
 def latest_checkpoint(directory: str) -> str | None:
@@ -293,8 +317,11 @@ class DiscardingManager:
     """
 
     def save(self, model, step, metadata):
+        return self.write(take_snapshot(model, step, metadata))
+
+    def write(self, snapshot):
         folder = tempfile.mkdtemp(prefix=f"kdist-worker-{os.getpid()}-")
         try:
-            return CheckpointManager(folder, keep=1).save(model, step, metadata)
+            return CheckpointManager(folder, keep=1).write(snapshot)
         finally:
             shutil.rmtree(folder, ignore_errors=True)

@@ -16,7 +16,7 @@ again instead of those the uninterrupted run draws next. Keras' own
 `load_weights` ignores the group; files without it load with the model's
 generators as they are.
 
-Keras writes the file into memory (`_Buffer`), and kdist copies the bytes to
+Keras writes the file into memory (`Buffer`), and kdist copies the bytes to
 disk with plain file I/O: a full disk then raises `OSError` in Python instead
 of failing inside HDF5, whose half-written, still-open file crashed the
 process when it was finally closed. Reading works the same way round: the
@@ -38,28 +38,42 @@ READABLE = ("kdist-checkpoint-1", FORMAT)
 SEED_GROUP = "kdist_seed_generators"
 
 
-class _Buffer(io.BytesIO):
+class Buffer(io.BytesIO):
     """An in-memory file that Keras accepts where it wants a `.weights.h5` path."""
 
     def __str__(self):
         return "checkpoint.weights.h5"
 
 
-def encode(model, metadata):
-    """The bytes of a checkpoint of `model` with `metadata`; raises NonFiniteWeights."""
-    buffer = _Buffer()
+def snapshot(model):
+    """The checkpoint file of `model` as it is now, in memory, without kdist's
+    state: Keras' `save_weights` output plus the seed generators' state. The
+    model may change afterwards; the snapshot does not."""
+    buffer = Buffer()
     model.save_weights(buffer)
-    with h5py.File(buffer, "a") as f:
-        seeds = seed_states(model)
-        if seeds:
+    seeds = seed_states(model)
+    if seeds:
+        with h5py.File(buffer, "a") as f:
             group = f.create_group(SEED_GROUP)
             for i, variable in enumerate(seeds):
                 group[str(i)] = np.array(variable.numpy())
+    return buffer
+
+
+def finish(taken, metadata):
+    """The bytes of checkpoint `taken` (a `snapshot`) with kdist's state
+    `metadata` and the checksum; raises NonFiniteWeights."""
+    with h5py.File(taken, "a") as f:
         digest, bad = _scan(f)
         if bad:
             raise NonFiniteWeights(bad)
         f.attrs["kdist"] = json.dumps(dict(metadata, format=FORMAT, checksum=digest))
-    return buffer.getvalue()
+    return taken.getvalue()
+
+
+def encode(model, metadata):
+    """The bytes of a checkpoint of `model` with `metadata`; raises NonFiniteWeights."""
+    return finish(snapshot(model), metadata)
 
 
 def read_metadata(source):
@@ -84,7 +98,7 @@ def verify(data):
     Raises InvalidCheckpoint if the checksum does not match or a value is not
     finite.
     """
-    buffer = _Buffer(data)
+    buffer = Buffer(data)
     meta = read_metadata(buffer)
     with h5py.File(buffer, "r") as f:
         digest, bad = _scan(f)
@@ -105,8 +119,8 @@ def load(model, data):
     only (`_fit_optimizer_layout`). Raises InvalidCheckpoint if the file
     holds the state of another number of seed generators than the model has.
     """
-    model.load_weights(_Buffer(_fit_optimizer_layout(data, getattr(model, "optimizer", None))))
-    with h5py.File(_Buffer(data), "r") as f:
+    model.load_weights(Buffer(_fit_optimizer_layout(data, getattr(model, "optimizer", None))))
+    with h5py.File(Buffer(data), "r") as f:
         if SEED_GROUP not in f:
             return
         group, seeds = f[SEED_GROUP], seed_states(model)
@@ -147,10 +161,10 @@ def _fit_optimizer_layout(data, optimizer):
     import keras  # Here: reading metadata needs no framework.
 
     scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
-    with h5py.File(_Buffer(data), "r") as f:
+    with h5py.File(Buffer(data), "r") as f:
         if "optimizer/vars" not in f or ("optimizer/inner_optimizer/vars" in f) == scaled:
             return data
-    buffer = _Buffer(data)
+    buffer = Buffer(data)
     with h5py.File(buffer, "a") as f:
         group = f["optimizer"]
         if not scaled:  # The wrapped optimizer's state becomes the optimizer's.
