@@ -8,6 +8,7 @@ logs, make the same decisions, and the runs end with the same weights.
 """
 
 import csv
+import importlib.util
 
 import keras
 import numpy as np
@@ -15,6 +16,7 @@ import pytest
 from test_fit_parity import BATCH, classification_data, regularized_classifier
 
 import kdist
+from kdist.checkpoints import CheckpointManager
 from kdist.inputs import arrays, base
 
 REPLICAS, SEED, EPOCHS = 2, 3, 4
@@ -152,9 +154,19 @@ def test_reduce_lr_on_plateau_halves_the_learning_rate_as_in_fit_and_tensorboard
     TensorBoard's own reader: per epoch, as Keras' TensorBoard callback lays them
     out, and after every chunk at the global step."""
     result, reference, history = both(lambda side: [keras.callbacks.ReduceLROnPlateau(
-        "loss", factor=0.5, patience=1, min_delta=1.0)], tmp_path,
-        tensorboard=str(tmp_path / "tb"))
+        "loss", factor=0.5, patience=1, min_delta=1.0)] + keras_tensorboard(tmp_path / side),
+        tmp_path, tensorboard=str(tmp_path / "tb"))
     assert_same_run(result, reference, history)
+    if KERAS_TENSORBOARD:  # Keras' own callback writes the same curves as under fit.
+        for split in ("train", "validation"):
+            ours, theirs = (tensorboard_events(tmp_path / side / split)
+                            for side in ("kdist", "fit"))
+            assert sorted(ours) == sorted(theirs) and ours, split
+            for tag, values in theirs.items():
+                if not isinstance(values, str):
+                    assert [s for s, _ in ours[tag]] == [s for s, _ in values], (split, tag)
+                    assert [v for _, v in ours[tag]] == pytest.approx(
+                        [v for _, v in values], rel=1e-5), (split, tag)
     assert result.history["learning_rate"] == pytest.approx([0.5, 0.5, 0.25, 0.125])
 
     train, validation = (tensorboard_events(tmp_path / "tb" / split)
@@ -178,16 +190,68 @@ def test_reduce_lr_on_plateau_halves_the_learning_rate_as_in_fit_and_tensorboard
     assert "| tensorboard |" in train["config"] and "Replicas: 2" in train["config"]
 
 
+def test_terminate_on_nan_where_fit_stops_kdist_raises_keeping_the_checkpoints(tmp_path):
+    """One huge row at step 7 of epoch 1 makes the loss infinite. `fit` with
+    TerminateOnNaN stops after that step's chunk; kdist (TerminateOnNaN given
+    too) raises `TrainingError` naming the step before any callback sees the
+    loss, writes no checkpoint of the broken weights, and keeps the one of
+    step 4, which holds fit's weights after step 4."""
+    rows = arrays.epoch_order(len(TRAIN_X), SEED, 0)
+    train_x = TRAIN_X.copy()
+    train_x[rows[6 * BATCH + 1]] = 1e38  # Step 7 (index 6), a row of replica 0.
+    seen, at_step_4 = [], []
+
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((batch, logs["loss"]))
+            if batch == 3:
+                at_step_4.extend(self.model.get_weights())
+
+    config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
+                               batch_size_per_replica=BATCH // REPLICAS, steps_per_execution=CHUNK,
+                               checkpoint_dir=str(tmp_path), checkpoint_every_steps=4)
+    with pytest.raises(kdist.TrainingError, match=r"non-finite loss at epoch 1, step 7;"):
+        kdist.train_and_evaluate(config, kdist.Dataset(train_x, TRAIN_Y, TEST_X, TEST_Y, "toy"),
+                                 model_fn=model_fn, log=lambda line: None,
+                                 callbacks=[keras.callbacks.TerminateOnNaN()])
+    if keras.backend.backend() == "jax":
+        keras.distribution.set_distribution(None)
+    keras.utils.set_random_seed(SEED)
+    reference = model_fn()
+    reference.fit(train_x[rows], TRAIN_Y[rows], batch_size=BATCH, epochs=EPOCHS, shuffle=False,
+                  verbose=0, callbacks=[Watch(), keras.callbacks.TerminateOnNaN()])
+    assert seen[-1][0] // CHUNK == 6 // CHUNK and not np.isfinite(seen[-1][1])
+    assert all(np.isfinite(loss) for _, loss in seen[:-1])
+    [checkpoint] = CheckpointManager(str(tmp_path)).paths()
+    assert checkpoint.endswith("ckpt-00000004.weights.h5")
+    written = model_fn()
+    written.load_weights(checkpoint)
+    for ours, theirs in zip(written.get_weights(), at_step_4, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+# Keras' TensorBoard callback writes with TensorFlow's summary API: it runs where
+# TensorFlow is installed (the tensorflow session), on any Keras backend.
+KERAS_TENSORBOARD = importlib.util.find_spec("tensorflow") is not None
+
+
+def keras_tensorboard(folder):
+    return [keras.callbacks.TensorBoard(str(folder))] if KERAS_TENSORBOARD else []
+
+
 def tensorboard_events(folder):
     """{tag: [(step, value)...]} of the scalars, {tag: text} of the texts, in `folder`."""
     from tensorboard.backend.event_processing import event_accumulator
+    from tensorboard.util import tensor_util
 
     events = event_accumulator.EventAccumulator(str(folder), size_guidance={"scalars": 0})
     events.Reload()
     found = {tag: [(e.step, e.value) for e in events.Scalars(tag)]
              for tag in events.Tags()["scalars"]}
-    for tag in events.Tags()["tensors"]:
-        found[tag] = events.Tensors(tag)[0].tensor_proto.string_val[0].decode()
+    for tag in events.Tags()["tensors"]:  # Texts; scalars as TensorFlow's summaries write them.
+        values = [(e.step, tensor_util.make_ndarray(e.tensor_proto)) for e in events.Tensors(tag)]
+        found[tag] = (values[0][1].item().decode() if values[0][1].dtype.kind in "OS"
+                      else [(step, float(value)) for step, value in values])
     return found
 
 
