@@ -18,7 +18,7 @@ import numpy as np
 
 from kdist import checks, engines
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
-from kdist.errors import Interrupted
+from kdist.errors import Interrupted, TrainingError  # noqa: F401 (importable here)
 from kdist.inputs import arrays, base, sources
 from kdist.loop import hooks, replicas, reporting, tensorboard
 from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
