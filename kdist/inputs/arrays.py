@@ -51,7 +51,7 @@ def check_dataset(dataset):
 
     Each split needs at least one example, the same number of rows in every
     array of x, y and the sample weights, and finite floats (no NaN or
-    infinity) in x.
+    infinity) in each.
     """
     for split in ("train", "test"):
         check_split(dataset.source, split, *dataset.split(split))
@@ -69,12 +69,13 @@ def check_split(source, split, x, y, sample_weight):
                         "); every array needs one row per example")
     if not lengths[0][1]:
         raise DataError(f"{source}: the {split} set is empty")
-    for images in leaves(x):
-        if np.issubdtype(images.dtype, np.inexact):
-            bad = np.flatnonzero(~np.isfinite(images.reshape(len(images), -1)).all(axis=1))
-            if len(bad):
-                raise DataError(f"{source}: {split} input {bad[0]} holds NaN or "
-                                f"infinity ({len(bad)} such examples)")
+    for name, part in (("input", x), ("label", y), ("sample weight", sample_weight)):
+        for values in leaves(part):
+            if np.issubdtype(values.dtype, np.inexact) and not np.isfinite(values.sum()):
+                bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
+                if len(bad):
+                    raise DataError(f"{source}: {split} {name} {bad[0]} holds NaN or "
+                                    f"infinity ({len(bad)} such examples)")
 
 
 def check_labels(dataset, num_classes, splits=("train", "test")):
@@ -151,6 +152,15 @@ class ArraySource(SizedSource):
 
     def sample(self, rows=2):
         return take_rows(self.arrays, slice(0, rows))
+
+    def expect_classes(self, classes):
+        labels = self.arrays[1]
+        if isinstance(labels, np.ndarray) and labels.dtype.kind in "iu":
+            bad = np.flatnonzero((labels < 0) | (labels >= classes))
+            if len(bad):
+                raise DataError(f"{self.what}: label {labels.flat[bad[0]]} (example {bad[0]}) "
+                                f"is not a class of the model, which has {classes} "
+                                f"(0..{classes - 1}); {len(bad)} labels are out of range")
 
     def train(self, global_batch, *, seed, epoch, start_step=0, limit=None, shard=(0, 1)):
         return Stream(train_batches(

@@ -120,6 +120,11 @@ class Source(Protocol):
         the rest, whole, as one smaller batch."""
         ...
 
+    def expect_classes(self, classes: int) -> None:
+        """Class-index labels must lie in 0..classes-1: checked batch by batch as
+        they stream (`BatchCheck`), or at once where the source holds arrays."""
+        ...
+
 
 class SizedSource:
     """A source that knows its number of examples (`size`): its steps follow."""
@@ -163,12 +168,18 @@ class BatchCheck:
     A batch is a tuple (x, y) or (x, y, sample_weight), each an array or a
     tuple, list or dict of arrays, every array with the same number of rows;
     every batch holds examples of the first batch's structure, shapes and
-    dtypes (only the number of rows may change).
+    dtypes (only the number of rows may change), and values `check_values`
+    accepts: finite floats, and labels of the model's `classes` once the
+    source is told them (`expect_classes`).
     """
 
-    def __init__(self, what):
+    def __init__(self, what, regrouped=False):
         self.what = what
         self.specs = None
+        self.classes: int | None = None
+        # Whether batches are counted as kdist reads them (tf.data and TFRecords re-cut
+        # into several global batches per read), not as the pipeline made them.
+        self.as_read = " as kdist reads it" if regrouped else ""
 
     def __call__(self, batch, index):
         """(batch as (x, y, sample_weight) of NumPy arrays, its rows); DataError if bad."""
@@ -198,7 +209,44 @@ class BatchCheck:
                             f"{_show(now)} where the first batch's held {_show(first)}; every "
                             "batch needs the same example shapes and dtypes (only the number "
                             "of rows may vary)")
+        check_values(batch, f"{self.what}: batch {index}{self.as_read}", self.classes)
         return batch, lengths[0][1]
+
+
+class CheckedSource:
+    """A source whose batches pass its `BatchCheck` as they stream."""
+
+    check: BatchCheck
+
+    def expect_classes(self, classes):
+        self.check.classes = classes
+
+
+def check_values(batch, where, classes=None):
+    """Raises DataError, naming `where`, the field, the row and the value, for a
+    non-finite float in x, y or the sample weights, or (with `classes`) a
+    class-index label, y one integer array, outside 0..classes-1.
+
+    The fast path reads each array once and copies nothing: a float array's
+    sum is finite when all its values are (an overflowing sum is looked at
+    value by value), and labels need their minimum and maximum."""
+    for name, part in zip(PARTS, batch):
+        for array in tree.leaves(part):
+            if array.dtype.kind in "fc" and array.size and not np.isfinite(array.sum()):
+                bad = np.argwhere(~np.isfinite(array))
+                if len(bad):
+                    raise DataError(
+                        f"{where}: {name} holds {array[tuple(bad[0])]} in row {bad[0][0]} "
+                        f"({len(bad)} non-finite values); inputs, labels and sample weights "
+                        "must be finite")
+    labels = batch[1]
+    if (classes is not None and isinstance(labels, np.ndarray) and labels.dtype.kind in "iu"
+            and labels.size and (labels.min() < 0 or labels.max() >= classes)):
+        wrong = np.flatnonzero((labels < 0) | (labels >= classes))
+        row = np.unravel_index(wrong[0], labels.shape)[0]
+        raise DataError(f"{where}: label {labels.flat[wrong[0]]} (row {row}) is not a class "
+                        f"of the model, which has {classes} (0..{classes - 1}); {len(wrong)} "
+                        "labels are out of range")
 
 
 def _spec(array):

@@ -43,7 +43,7 @@ def is_tf_dataset(given):
     return tf is not None and isinstance(given, tf.data.Dataset)
 
 
-class _StreamSource:
+class _StreamSource(base.CheckedSource):
     """A source read front to back, once per epoch; subclasses open the epoch's
     pass (`_open`), which may skip whole batches itself."""
 
@@ -113,6 +113,7 @@ class TfDataSource(_StreamSource):
         import tensorflow as tf
 
         super().__init__(what)
+        self.check = base.BatchCheck(what, regrouped=True)
         self.dataset = dataset
         spec = dataset.element_spec
         if not isinstance(spec, tuple) or len(spec) not in (2, 3):

@@ -26,7 +26,7 @@ def is_py_dataset(given):
     return isinstance(given, keras.utils.PyDataset)
 
 
-class PyDatasetSource(base.SizedSource):
+class PyDatasetSource(base.SizedSource, base.CheckedSource):
     """A keras.utils.PyDataset, read by index (see the module docstring); a subclass
     reads another indexed kind through `_count`, `_get` and `_order`."""
 

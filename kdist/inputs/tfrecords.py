@@ -121,7 +121,7 @@ class TFRecords:
     transform: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
 
-class TFRecordSource:
+class TFRecordSource(base.CheckedSource):
     """The source that streams a `TFRecords` split (see `kdist.inputs`)."""
 
     kind = "TFRecord files"
@@ -145,7 +145,7 @@ class TFRecordSource:
                             f"{len(self.files)} files); write the split again")
         if not sum(self.counts):
             raise DataError(f"{what} is empty")
-        self.check = base.BatchCheck(what)
+        self.check = base.BatchCheck(what, regrouped=True)
 
     def size(self):
         return sum(self.counts)

@@ -103,12 +103,19 @@ def sample_rows(dataset, rows=2):
 
 
 def check_labels(prepared, model, splits=("train", "test")):
-    """Checks class-index targets against a one-output classifier's class count
-    (arrays of a `kdist.Dataset` only: a pipeline's labels are not read ahead)."""
+    """Makes class-index targets checked against a one-output classifier's class
+    count: a `kdist.Dataset`'s arrays here, at once; any other source's labels
+    as they stream (`kdist.inputs.base.Source.expect_classes`)."""
+    shape = getattr(model, "output_shape", None)
+    if not (isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1):
+        return
     dataset = prepared.arrays
     if dataset is None:
+        for split in splits:
+            source = getattr(prepared, split)
+            if source is not None:
+                source.expect_classes(shape[-1])
         return
-    labels, shape = dataset.train_y, getattr(model, "output_shape", None)
-    if (isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer)
-            and isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1):
+    labels = dataset.train_y
+    if isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer):
         arrays.check_labels(dataset, shape[-1], splits)

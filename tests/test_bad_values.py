@@ -1,0 +1,107 @@
+"""Bad values in streamed data: every input kind checks each batch as it comes for
+non-finite x, y and sample weights, and for labels outside the model's classes,
+and stops with one `kdist.DataError` naming the batch, the field and the value,
+before the step that would use it (tests/test_inputs.py checks the shapes)."""
+
+import importlib.util
+import os
+
+import numpy as np
+import pytest
+from test_inputs import TEST, TRAIN, Batches, in_batches, make_mlp, tf_data, train
+
+from kdist.errors import DataError
+from kdist.inputs import base, sources, tfrecords
+
+HAS_TF = importlib.util.find_spec("tensorflow") is not None
+needs_tf = pytest.mark.skipif(not HAS_TF, reason="read with tf.data")
+needs_grain = pytest.mark.skipif(importlib.util.find_spec("grain") is None,
+                                 reason="grain is not installed")
+
+
+def grain_map(x, y, w):
+    import grain
+
+    return grain.MapDataset.source(list(zip(x, y, w))).batch(50)
+
+
+def records(x, y, w, folder):
+    tfrecords.write(str(folder), "train", x, y, shards=2)
+    return tfrecords.TFRecords(str(folder))
+
+
+# Each kind holds TRAIN (with sample weights where it can) in batches of 50, in order.
+KINDS = {
+    "arrays": lambda x, y, w, folder: (x, y, w),
+    "generator": lambda x, y, w, folder: lambda: iter(
+        [(a, b, c) for (a, b), c in zip(in_batches(x, y, 50), np.split(w, 8))]),
+    "PyDataset": lambda x, y, w, folder: Batches(x, y, 50),
+    "tf.data": lambda x, y, w, folder: tf_data(x, y, 50),
+    "grain.MapDataset": lambda x, y, w, folder: grain_map(x, y, w),
+    "grain.IterDataset": lambda x, y, w, folder: grain_map(x, y, w).to_iter_dataset(),
+    "TFRecords": records,
+}
+MARKS = {"tf.data": [needs_tf], "TFRecords": [needs_tf], "grain.MapDataset": [needs_grain],
+         "grain.IterDataset": [needs_grain]}
+WEIGHTED = ("arrays", "generator", "grain.MapDataset", "grain.IterDataset")
+
+
+def spoiled(field):
+    """TRAIN and sample weights with one bad value in row 263 (batch 5, row 13)."""
+    x, y, w = TRAIN[0].copy(), TRAIN[1].copy(), np.ones(len(TRAIN[0]), "float32")
+    if field == "x":
+        x[263, 2] = np.nan
+    elif field == "y":
+        y[263] = 7
+    else:
+        w[263] = np.inf
+    return x, y, w
+
+
+def expected(kind, field):
+    if kind == "arrays":  # Checked as a whole, before anything is built.
+        return {"x": r"kdist.Inputs: train input 263 holds NaN or infinity \(1 such",
+                "y": r"the train data: label 7 \(example 263\) is not a class of the model, "
+                     r"which has 4 \(0..3\)",
+                "sample weight": r"kdist.Inputs: train sample weight 263 holds NaN or "
+                                 r"infinity"}[field]
+    # tf.data and TFRecords are read several global batches at a time, TFRecord files
+    # in an order of their own: the batch and row are counted as kdist reads them.
+    where, row = ("the train data: batch 5", "13") if kind not in ("tf.data", "TFRecords") \
+        else (r"the train data: batch \d+ as kdist reads it", r"\d+")
+    return {"x": where + rf": x holds nan in row {row} \(1 non-finite values\)",
+            "y": where + rf": label 7 \(row {row}\) is not a class of the model, which has 4 "
+                         r"\(0..3\); 1 labels are out of range",
+            "sample weight": where + rf": sample weight holds inf in row {row}"}[field]
+
+
+CASES = [pytest.param(kind, field, marks=MARKS.get(kind, []), id=f"{kind}-{field}")
+         for kind in KINDS for field in ("x", "y", "sample weight")
+         if field != "sample weight" or kind in WEIGHTED]
+
+
+@pytest.mark.any_backend
+@pytest.mark.parametrize("kind, field", CASES)
+def test_each_kind_names_the_batch_the_field_and_the_value(tmp_path, kind, field):
+    """Read as the loop reads them (the training slices of an epoch, after the
+    model's classes are told), each kind stops at the bad batch."""
+    model = make_mlp()
+    prepared = None
+    with pytest.raises(DataError, match=expected(kind, field)):
+        prepared = sources.prepare(base.Inputs(KINDS[kind](*spoiled(field), tmp_path), TEST))
+        prepared.train.expect_classes(model.output_shape[-1])
+        for _ in prepared.train.train(50, seed=0, epoch=0):
+            pass
+
+
+@pytest.mark.parametrize("kind, field", [("generator", "y"), ("PyDataset", "x")])
+def test_a_bad_batch_stops_training_before_its_step_and_writes_nothing(tmp_path, kind, field):
+    """The issue's case: a run resumed after one good epoch meets the bad batch in
+    epoch 2; the checkpoint folder is as it was."""
+    folder = tmp_path / "run"
+    train(tmp_path, "run", base.Inputs(TRAIN, TEST), epochs=1)
+    before = {name: (folder / name).read_bytes() for name in os.listdir(folder)}
+    with pytest.raises(DataError, match=expected(kind, field)):
+        train(tmp_path, "run", base.Inputs(KINDS[kind](*spoiled(field), tmp_path), TEST),
+              epochs=2)
+    assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
