@@ -188,10 +188,12 @@ def model():
 """
 
 
-def test_kdist_train_and_evaluate_take_your_compiled_model_from_a_file(tmp_path, capsys):
+def test_kdist_train_and_evaluate_take_your_compiled_model_from_a_file(tmp_path, capsys,
+                                                                        monkeypatch):
     """`kdist-train --model mine.py` trains the file's compiled model (its optimizer,
     loss and metrics) with the CLI's flags and checkpoints; `kdist-evaluate --model
-    mine.py` restores it with the same accuracy."""
+    mine.py` (or `mine:model`, the module's function) restores it with the same
+    accuracy."""
     from kdist.cli import evaluate
     from kdist.cli import train as train_cli
 
@@ -205,15 +207,20 @@ def test_kdist_train_and_evaluate_take_your_compiled_model_from_a_file(tmp_path,
     restored = trained.split("without distribution: ")[-1].strip()
     assert evaluate.main(common[:-2] + ["--model", str(path)]) == 0
     assert capsys.readouterr().out.strip().endswith(restored)
+    monkeypatch.chdir(tmp_path)  # MODULE:FN, importable from the current folder.
+    assert evaluate.main(common[:-2] + ["--model", "mine:model"]) == 0
+    assert capsys.readouterr().out.strip().endswith(restored)
 
 
 @pytest.mark.parametrize("command", ["train", "evaluate"])
-@pytest.mark.parametrize("text, message", [
-    (None, "no such file"),
-    ("def model(:\n", "does not run: SyntaxError"),
-    ("x = 1\n", "defines no function model()"),
+@pytest.mark.parametrize("text, spec, message", [
+    (None, "{path}", "no such file"),
+    ("def model(:\n", "{path}", "does not run: SyntaxError"),
+    ("x = 1\n", "{path}", "defines no function model()"),
+    ("def model():\n    pass\n", "{path}:build", "defines no function build()"),
+    (None, "kdist_no_such_module:build", "no such file, nor a module Python can import"),
 ])
-def test_model_file_mistakes_are_one_line(tmp_path, capsys, command, text, message):
+def test_model_file_mistakes_are_one_line(tmp_path, capsys, command, text, spec, message):
     from kdist.cli import evaluate
     from kdist.cli import train as train_cli
 
@@ -224,6 +231,6 @@ def test_model_file_mistakes_are_one_line(tmp_path, capsys, command, text, messa
     main = train_cli.main if command == "train" else evaluate.main
     with pytest.raises(SystemExit) as exit_:
         main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--synthetic", "240",
-              "--model", str(path)])
+              "--model", spec.format(path=path)])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err.splitlines()[-1]

@@ -164,30 +164,58 @@ def check_paths(args):
 
 
 def add_model_flag(parser, what):
-    """--model FILE.py: a file whose function model() builds `what`."""
-    parser.add_argument("--model", metavar="FILE.py", default=None,
-                        help=f"a Python file whose function model() builds {what} (default: "
-                             "the tutorial CNN)")
+    """--model SPEC: the function that builds `what` (`model_function`)."""
+    parser.add_argument("--model", metavar="SPEC", default=None,
+                        help=f"FILE.py, FILE.py:FN or MODULE:FN: the function (FN, default "
+                             f"model) that builds {what}, in a Python file or an importable "
+                             "module (default: the tutorial CNN)")
 
 
-def check_model_file(path):
-    """Raises UsageError unless `path` is a file (before anything starts)."""
-    if not os.path.isfile(path):
-        raise errors.UsageError(f"--model {path}: no such file")
+def _model_spec(spec):
+    """(file or module, function name) of a --model value."""
+    where, colon, name = spec.rpartition(":")
+    return (where, name) if colon and name.isidentifier() else (spec, "model")
 
 
-def model_function(path):
-    """The function `model` of the Python file at `path`."""
+def check_model_file(spec):
+    """Raises UsageError unless --model's file exists or its module can be found
+    (before anything starts)."""
+    where, _ = _model_spec(spec)
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise errors.UsageError(f"--model {spec}: no such file")
+        return
     import importlib.util
 
-    check_model_file(path)
-    spec = importlib.util.spec_from_file_location("kdist_evaluated_model", path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    if os.getcwd() not in sys.path:  # As `python -m` and uvicorn: the current folder's modules.
+        sys.path.insert(0, os.getcwd())
     try:
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
+        found = importlib.util.find_spec(where)
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise errors.UsageError(f"--model {spec}: no such file, nor a module Python can "
+                                f"import (give FILE.py, FILE.py:FN or MODULE:FN)")
+
+
+def model_function(spec):
+    """The function `--model spec` names: FN (default `model`) of a Python file
+    (`mine.py`, `mine.py:build`) or of an importable module (`mine:build`)."""
+    import importlib
+    import importlib.util
+
+    check_model_file(spec)
+    where, name = _model_spec(spec)
+    try:
+        if where.endswith(".py"):
+            loaded = importlib.util.spec_from_file_location("kdist_user_model", where)
+            module = importlib.util.module_from_spec(loaded)  # type: ignore[arg-type]
+            loaded.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(where)
     except Exception as e:  # A file that does not run: one line, as for other flags.
-        raise errors.UsageError(f"--model {path} does not run: {type(e).__name__}: {e}") from e
-    if not callable(getattr(module, "model", None)):
-        raise errors.UsageError(f"--model {path} defines no function model() that builds "
+        raise errors.UsageError(f"--model {spec} does not run: {type(e).__name__}: {e}") from e
+    if not callable(getattr(module, name, None)):
+        raise errors.UsageError(f"--model {spec} defines no function {name}() that builds "
                                 "the model")
-    return module.model
+    return getattr(module, name)

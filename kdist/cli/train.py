@@ -64,7 +64,7 @@ def main(argv=None, model_fn=None, description=None, after=None):
 
 
 def _train(args, model_fn=None):
-    model_file = getattr(args, "model", None)  # --model FILE.py: its model(), no flags.
+    model_file = getattr(args, "model", None)  # --model: its function, no flags.
     if model_file:
         common.check_model_file(model_file)
         if args.learning_rate is not None:
