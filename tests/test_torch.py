@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO
 from helpers import prepare
 
-from kdist import engines, tree
+from kdist import checkpoints, engines, tree
 from kdist.engines import contract
 from kdist.errors import TrainingError, UsageError
 from kdist.loop import chunks, replicas
@@ -182,6 +182,27 @@ def test_a_killed_replica_process_ends_the_run_with_an_error(tmp_path):
     assert process.returncode not in (0, 128 + signal.SIGTERM), output
     assert "replica process" in output and "exited with status 137" in output, output
     assert not [p for p in replica_pids if alive(p)]
+
+
+def test_a_killed_parent_leaves_replicas_that_checkpoint_and_exit_quietly(tmp_path):
+    """SIGKILL of the parent mid-epoch: the replicas (which still print to the same
+    output) agree on a step, the chief writes a mid-epoch checkpoint, and they
+    exit 0 without a traceback; a resume reads that checkpoint."""
+    process = subprocess.Popen(  # Not --quiet: the chief has lines for the dead parent.
+        [sys.executable, TRAIN, "--synthetic", "--replicas", "2", "--epochs", "3",
+         "--steps-per-epoch", "400", "--checkpoint-dir", str(tmp_path / "ckpt")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    replica_pids = wait_for_training(process, tmp_path)
+    os.kill(process.pid, signal.SIGKILL)
+    output, _ = process.communicate(timeout=120)  # Until the replicas close it too.
+    deadline = time.monotonic() + 60
+    while [p for p in replica_pids if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in replica_pids if alive(p)], output
+    assert "Traceback" not in output and "Error" not in output, output
+    latest = checkpoints.CheckpointManager(str(tmp_path / "ckpt")).latest()
+    assert latest is not None and latest[1]["step_in_epoch"] > 0, output
 
 
 def contract_in_a_process(log, stop):

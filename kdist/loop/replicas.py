@@ -19,8 +19,9 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   `Interrupted`, which names that signal;
 - a process that fails makes the parent stop the others (a process left
   alone would wait in its next all-reduce) and raise that failure; a parent
-  killed outright leaves processes that stop as on SIGTERM
-  (`follow_launcher`).
+  killed outright leaves processes that stop as on SIGTERM, with a
+  checkpoint (`follow_launcher`, and a broken pipe to the parent), and exit
+  without a word: what they would send the parent is dropped.
 
 An input that cannot be pickled (a tf.data pipeline) is refused with one line.
 """
@@ -209,8 +210,8 @@ def replica_main():
     workers, rank, address, timeout, payload, fd = sys.argv[1:7]
     spec = cluster.ClusterSpec(int(workers), int(rank), (address,), float(timeout),
                                source=f"{workers} local replica processes")
-    pipe = connection.Connection(int(fd), readable=False)
     stop = interrupt.StopRequest()
+    pipe = _ParentPipe(int(fd), stop)
     follow_launcher(stop)  # The parent: gone, it cannot stop this process.
     chief = spec.worker_index == 0
 
@@ -236,8 +237,40 @@ def replica_main():
     except BaseException as e:  # noqa: BLE001 (every outcome goes to the parent)
         pipe.send(("error", _portable(e)))
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        pipe.close()
+
+
+class _ParentPipe:
+    """The pipe to the parent. Once the parent is gone (the pipe is broken), what
+    is sent is dropped, `stop` is requested as SIGTERM would (the processes
+    agree on a step, the chief checkpoints), and nothing more is printed: the
+    parent's output may be gone with it."""
+
+    def __init__(self, fd, stop):
+        self.pipe = connection.Connection(fd, readable=False)
+        self.stop = stop
+        self.gone = False
+
+    def send(self, item):
+        if self.gone:
+            return
+        try:
+            self.pipe.send(item)
+        except OSError:  # BrokenPipeError: the parent was killed.
+            self.gone = True
+            if not self.stop:
+                self.stop.request("SIGTERM")
+
+    def close(self):
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except OSError:
+            self.gone = True
+        if self.gone:  # Nothing left to print to: Python's own flush at exit stays quiet.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
 
 
 def _portable(error):
