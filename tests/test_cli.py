@@ -443,3 +443,61 @@ def test_a_bad_tensorboard_folder_or_no_tensorboard_package_exits_2_before_any_w
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert train(str(tmp_path / "tb")).endswith(
         "--tensorboard needs the tensorboard package: pip install 'kdist[tensorboard]'")
+
+
+def other_model_checkpoint(folder):
+    """A checkpoint of a model that is not the tutorial CNN, in `folder`."""
+    import keras
+
+    from kdist import checkpoints
+
+    other = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    other.compile(optimizer="sgd", loss="mse")
+    manager = checkpoints.CheckpointManager(str(folder))
+    manager.prepare()
+    manager.save(other, 1, metadata=dict(epoch=1, history=[], backend="x", replicas=1, seed=0))
+
+
+def help_flags(main, capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    return set(re.findall(r"--[a-z][a-z-]*", capsys.readouterr().out))
+
+
+@pytest.mark.any_backend  # The messages are the same on every backend.
+@pytest.mark.parametrize("command, args, prepare", [
+    ("train", ["--data-dir", "{tmp}/none"], None),
+    ("train", ["--checkpoint-dir", "{tmp}/file"], "file"),
+    ("train", ["--checkpoint-dir", "{tmp}/ck"], "other model"),
+    ("train", ["--metrics-file", "{tmp}/none/m.jsonl"], None),
+    ("train", ["--model", "{tmp}/mine.py", "--learning-rate", "0.1"], "model file"),
+    ("train", ["--model", "{tmp}/none.py"], None),
+    ("evaluate", ["--data-dir", "{tmp}/none"], None),
+    ("evaluate", ["--checkpoint-dir", "{tmp}/empty"], "empty"),
+    ("evaluate", ["--checkpoint-dir", "{tmp}/ck"], "other model"),
+    ("evaluate", ["--model", "{tmp}/none.py"], None),
+])
+def test_every_hint_names_only_flags_of_its_command(tmp_path, capsys, command, args, prepare):
+    """Each error path's one line names flags that the printing command has."""
+    from kdist.cli import evaluate
+
+    main = train_cli.main if command == "train" else evaluate.main
+    if prepare == "file":
+        (tmp_path / "file").write_text("not a folder")
+    elif prepare == "empty":
+        (tmp_path / "empty").mkdir()
+    elif prepare == "other model":
+        other_model_checkpoint(tmp_path / "ck")
+    elif prepare == "model file":
+        (tmp_path / "mine.py").write_text("def model():\n    pass\n")
+    argv = ["--checkpoint-dir", str(tmp_path / "ckpt")] + (
+        [] if "--data-dir" in args else ["--synthetic", "240"]) + (
+        ["--epochs", "1", "--steps-per-epoch", "2"] if command == "train" else [])
+    try:
+        code = main(argv + [a.format(tmp=tmp_path) for a in args])
+    except SystemExit as exit_:
+        code = exit_.code
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code in (1, 2) and "error: " in line, line
+    assert set(re.findall(r"--[a-z][a-z-]*", line)) <= help_flags(main, capsys), line
