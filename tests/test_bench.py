@@ -44,8 +44,10 @@ def test_without_fit_its_figures_are_none_and_the_table_shows_dashes():
         is figures["fit_epoch_seconds"] is None
     assert figures["epoch_seconds"] == [2.345, 1.0, 1.0]  # Every epoch's, in milliseconds.
     theirs = dict(MINE, samples_per_sec=500.0)
-    assert measure._figures(MINE, theirs)["ratio"] == 2.001
-    table = measure.format_table([("float32", MINE, None), ("mixed_bfloat16", MINE, theirs)])
+    paired = dict(MINE, fit_ratio=2.0012, fit_ratio_spread=[1.9, 2.1004])  # Epoch by epoch.
+    figures = measure._figures(paired, theirs)
+    assert figures["ratio"] == 2.001 and figures["ratio_spread"] == [1.9, 2.1]
+    table = measure.format_table([("float32", MINE, None), ("mixed_bfloat16", paired, theirs)])
     alone, both = table.splitlines()[1:]
     assert alone.split() == ["float32", "1,000", "-", "-", "2.35", "-", "0.50", "-", "900"]
     assert both.split()[1:4] == ["1,000", "500", "2.00x"]

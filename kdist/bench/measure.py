@@ -1,19 +1,22 @@
 """Training speed of kdist's loop against Keras `fit`, same model, data and batch.
 
-Both run in one process, back to back, under the same engine (strategy or
-distribution), for 1 + `windows` epochs of `steps` global batches. The first
-epoch (with compilation) is timed alone; the steady speed is the median
-samples/s of the other epochs. Epochs are timed whole, from start to a
-result on the host, so asynchronous dispatch cannot flatter either side.
+Both run in one process under the same engine (strategy or distribution),
+taking turns epoch by epoch, for 1 + `windows` epochs of `steps` global
+batches each. The first epoch (with compilation) is timed alone; the steady
+speed is the median samples/s of the other epochs, and kdist/fit is the
+median of the steady rounds' paired ratios (fit's epoch time / kdist's in
+the same round), with their spread: a drift of the machine's speed falls on
+both sides of each ratio. The JSON line records the load average before the
+run. Epochs are timed whole, from start to a result on the host, so
+asynchronous dispatch cannot flatter either side.
 Evaluation time is the second full pass over the test set (the first compiles).
-With several precisions (`kdist.precision`) each is measured in turn, kdist
-then fit, and gets one row of the table and one JSON line; peak memory is
+With several precisions (`kdist.precision`) each is measured in turn and
+gets one row of the table and one JSON line; peak memory is
 the process's, so a later row's includes the earlier ones'. With several
 input kinds (`kdist.bench.input_kinds`: the same arrays given directly, or through
 tf.data, a PyDataset or Grain) one kdist model takes them in turn, epoch by
-epoch, one row each, and `fit` (which always takes the arrays) is measured
-once per precision: the kinds compare in one process, under the same
-conditions.
+epoch, one row each, with `fit` (which always takes the arrays) once per
+round: the kinds compare in one process, under the same conditions.
 
 `model` picks the network (`MODELS`): the tutorial CNN (also as "cnn-stock",
 with Keras' stock layers in place of `kdist.models.cnn`'s JAX formulations), or
@@ -27,6 +30,7 @@ slice of every global batch, `fit` is not measured, and only the chief logs;
 
 import functools
 import json
+import os
 import resource
 import statistics
 import time
@@ -66,11 +70,14 @@ def summarize_epochs(seconds, samples_per_epoch):
 
 def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execution,
                   precision=DEFAULT_PRECISION, input_kinds=("numpy",), *,
-                  model_fn=create_model):
+                  model_fn=create_model, fit=None):
     """{input kind: kdist's figures fed by it}. One model, compiled once; the
-    kinds take turns epoch by epoch (1 + `windows` epochs each), so a change
-    of the machine's speed during the run falls on every kind alike. The
-    compilation falls in the first kind's first epoch."""
+    kinds take turns epoch by epoch (1 + `windows` epochs each), and so does
+    `fit` (a `FitEpochs`, or None), so a change of the machine's speed during
+    the run falls on every side alike: each kind's `fit_ratio` is the median,
+    over the steady rounds, of fit's epoch time / the kind's, with
+    `fit_ratio_spread` (the lowest and highest round). The compilation falls
+    in the first epochs."""
     keras.utils.set_random_seed(0)
     sources = {kind: [input_source(kind, dataset.split(split), global_batch, split)
                       for split in ("train", "test")] for kind in input_kinds}
@@ -79,6 +86,7 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
                                          precision=precision)
     engine.compile_steps(step)
     seconds: dict[str, list[float]] = {kind: [] for kind in input_kinds}
+    fit_seconds: list[float] = []
     for epoch in range(1 + windows):
         for kind, (train, _) in sources.items():
             start = time.perf_counter()
@@ -87,6 +95,8 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
             run_steps(engine, engine.train_chunk, batches, zero_totals(step),  # Ends on the host.
                       steps_per_execution=steps_per_execution)
             seconds[kind].append(time.perf_counter() - start)
+        if fit is not None:
+            fit_seconds.append(fit.epoch())
     figures = {}
     ratios = paired_ratios(seconds)
     for kind, (_, test) in sources.items():
@@ -95,6 +105,12 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
         figures[kind] = dict(summarize_epochs(seconds[kind], steps * global_batch),
                              eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb(),
                              input_ratio=ratios[kind])
+        if fit is not None:
+            rounds = [f / k for f, k in zip(fit_seconds[1:], seconds[kind][1:])]
+            figures[kind].update(fit_ratio=statistics.median(rounds),
+                                 fit_ratio_spread=[min(rounds), max(rounds)])
+    if fit is not None:
+        fit.seconds = fit_seconds
     return figures
 
 
@@ -123,25 +139,39 @@ class EpochTimes(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def measure_fit(engine, dataset, global_batch, steps, windows, precision=DEFAULT_PRECISION, *,
-                model_fn=create_model):
-    keras.utils.set_random_seed(0)
-    with engine.scope(), policy(precision):  # mixed_float16: compile adds loss scaling.
-        model = model_fn()
-        model.compile(optimizer=adam(DEFAULT_LEARNING_RATE),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-    count = steps * global_batch
-    times = EpochTimes()
-    blocking = engine.keras_fit_callbacks()  # Keeps fit on JAX CPU devices from deadlocking.
-    model.fit(dataset.train_x[:count], dataset.train_y[:count],
-              batch_size=global_batch, epochs=1 + windows, callbacks=[times] + blocking,
-              verbose=0)
-    evaluate_seconds = _time_twice(lambda: model.evaluate(
-        dataset.test_x, dataset.test_y, batch_size=global_batch, verbose=0,
-        callbacks=blocking))
-    return dict(summarize_epochs(times.seconds, count),
-                eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
+class FitEpochs:
+    """Keras `fit` of the same model, data and batch as kdist's, compiled with
+    kdist's default optimizer and loss, one epoch per `epoch()` call."""
+
+    def __init__(self, engine, dataset, global_batch, steps, precision=DEFAULT_PRECISION, *,
+                 model_fn=create_model):
+        keras.utils.set_random_seed(0)
+        with engine.scope(), policy(precision):  # mixed_float16: compile adds loss scaling.
+            self.model = model_fn()
+            self.model.compile(
+                optimizer=adam(DEFAULT_LEARNING_RATE),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"])
+        self.dataset, self.global_batch = dataset, global_batch
+        self.count = steps * global_batch
+        self.blocking = engine.keras_fit_callbacks()  # Keeps fit on JAX CPUs from deadlocking.
+        self.seconds: list[float] = []
+
+    def epoch(self):
+        """Trains one epoch with `fit`; returns its seconds."""
+        times = EpochTimes()
+        self.model.fit(self.dataset.train_x[:self.count], self.dataset.train_y[:self.count],
+                       batch_size=self.global_batch, epochs=1, verbose=0,
+                       callbacks=[times] + self.blocking)
+        return times.seconds[0]
+
+    def figures(self):
+        """The epochs' figures (after `measure_kdist`) and the evaluation's time."""
+        evaluate_seconds = _time_twice(lambda: self.model.evaluate(
+            self.dataset.test_x, self.dataset.test_y, batch_size=self.global_batch,
+            verbose=0, callbacks=self.blocking))
+        return dict(summarize_epochs(self.seconds, self.count),
+                    eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb())
 
 
 def _time_twice(fn):
@@ -194,11 +224,13 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
     log(cpuinfo.format_record(cpu))
     rows, summaries = [], []
     for precision in precisions:
+        load = [round(v, 2) for v in os.getloadavg()]  # Other work on the machine, before.
+        fit_epochs = (FitEpochs(engine, dataset, global_batch, steps, precision,
+                                model_fn=MODELS[model]) if fit else None)
         measured = measure_kdist(engine, dataset, global_batch, steps, windows,
                                  steps_per_execution, precision, input_kinds,
-                                 model_fn=MODELS[model])
-        theirs = (measure_fit(engine, dataset, global_batch, steps, windows, precision,
-                              model_fn=MODELS[model]) if fit else None)
+                                 model_fn=MODELS[model], fit=fit_epochs)
+        theirs = fit_epochs.figures() if fit_epochs is not None else None
         for kind, mine in measured.items():
             label = precision if len(input_kinds) == 1 else f"{precision} {kind}"
             rows.append((label, mine, theirs))
@@ -206,7 +238,7 @@ def run(dataset, replicas=None, batch_size_per_replica=TrainConfig.batch_size_pe
                 model=model, backend=engine.backend, workers=workers,
                 replicas=engine.num_replicas, precision=precision, input=kind,
                 steps_per_execution=steps_per_execution, global_batch=global_batch,
-                steps=steps, **_figures(mine, theirs), **cpu))
+                steps=steps, load_average=load, **_figures(mine, theirs), **cpu))
     log(format_table(rows))
     if len(input_kinds) > 1:
         log(f"against {input_kinds[0]}, the median of each round's ratio: " + ", ".join(
@@ -230,8 +262,9 @@ def _figures(mine, theirs):
     return dict(
         kdist_samples_per_sec=round(mine["samples_per_sec"]),
         fit_samples_per_sec=fit("samples_per_sec", None),
-        ratio=None if theirs is None else round(
-            mine["samples_per_sec"] / theirs["samples_per_sec"], 3),
+        ratio=None if theirs is None else round(mine["fit_ratio"], 3),
+        ratio_spread=None if theirs is None else [round(r, 3)
+                                                  for r in mine["fit_ratio_spread"]],
         first_epoch_seconds=round(mine["first_epoch_seconds"], 2),
         fit_first_epoch_seconds=fit("first_epoch_seconds", 2),
         eval_seconds=round(mine["eval_seconds"], 2),
@@ -246,7 +279,7 @@ def _figures(mine, theirs):
 # The table's columns: (heading, kdist's or fit's measurement, key, format).
 _COLUMNS = (("kdist samples/s", "kdist", "samples_per_sec", "{:,.0f}"),
             ("fit samples/s", "fit", "samples_per_sec", "{:,.0f}"),
-            ("kdist/fit", None, "samples_per_sec", "{:.2f}x"),
+            ("kdist/fit", None, "fit_ratio", "{:.2f}x"),
             ("first epoch s", "kdist", "first_epoch_seconds", "{:.2f}"),
             ("fit first epoch s", "fit", "first_epoch_seconds", "{:.2f}"),
             ("eval s", "kdist", "eval_seconds", "{:.2f}"),
@@ -257,7 +290,7 @@ _COLUMNS = (("kdist samples/s", "kdist", "samples_per_sec", "{:,.0f}"),
 def format_table(rows):
     """One line per (row label: the precision, and the input kind where there
     are several; kdist's measurements, fit's): train samples/s
-    (median of the steady epochs) of both and their ratio, the first epoch
+    (median of the steady epochs) of both and the paired ratio, the first epoch
     (with compiling), a full test-set evaluation, and the peak memory; "-"
     for fit's where it is None (not measured)."""
     width = max(len("precision"), *(len(row[0]) for row in rows)) + 2
@@ -267,8 +300,8 @@ def format_table(rows):
         for heading, who, key, fmt in _COLUMNS:
             if who != "kdist" and theirs is None:  # fit not measured.
                 text = "-"
-            elif who is None:
-                text = fmt.format(mine[key] / theirs[key] if theirs[key] else float("nan"))
+            elif who is None:  # The paired ratio.
+                text = fmt.format(mine[key])
             else:
                 text = fmt.format((mine if who == "kdist" else theirs)[key])
             cells.append(f"{text:>{len(heading) + 2}}")
