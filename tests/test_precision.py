@@ -455,12 +455,13 @@ def test_epoch_lines_and_records_count_skipped_steps():
 
 
 def test_the_benchmark_table_has_one_row_per_precision():
-    def measured(speed):
+    def measured(speed, **paired):  # kdist's carries the paired kdist/fit ratio.
         return dict(samples_per_sec=speed, first_epoch_seconds=2.0, eval_seconds=0.5,
-                    peak_rss_mb=900.0)
+                    peak_rss_mb=900.0, **paired)
 
-    lines = format_table([("float32", measured(1000.0), measured(500.0)),
-                          ("mixed_bfloat16", measured(1500.0), measured(1000.0))]).splitlines()
+    lines = format_table([("float32", measured(1000.0, fit_ratio=2.0), measured(500.0)),
+                          ("mixed_bfloat16", measured(1500.0, fit_ratio=1.5),
+                           measured(1000.0))]).splitlines()
     assert lines[0].split()[:4] == ["precision", "kdist", "samples/s", "fit"]
     assert lines[1].split()[:4] == ["float32", "1,000", "500", "2.00x"]
     assert lines[2].split()[:4] == ["mixed_bfloat16", "1,500", "1,000", "1.50x"]
