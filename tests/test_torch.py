@@ -184,16 +184,24 @@ def test_a_killed_replica_process_ends_the_run_with_an_error(tmp_path):
     assert not [p for p in replica_pids if alive(p)]
 
 
-def test_a_killed_parent_leaves_replicas_that_checkpoint_and_exit_quietly(tmp_path):
-    """SIGKILL of the parent mid-epoch: the replicas (which still print to the same
-    output) agree on a step, the chief writes a mid-epoch checkpoint, and they
-    exit 0 without a traceback; a resume reads that checkpoint."""
+@pytest.mark.parametrize("when", ["start-up", "mid-epoch"])
+def test_a_killed_parent_leaves_replicas_that_checkpoint_and_exit_quietly(tmp_path, when):
+    """SIGKILL of the parent, as soon as the replicas exist or mid-epoch: the replicas
+    (which still print to the same output) agree on a step (the first chunk's,
+    after a start-up), the chief writes a checkpoint there, and they exit without
+    a traceback."""
     process = subprocess.Popen(  # Not --quiet: the chief has lines for the dead parent.
         [sys.executable, TRAIN, "--synthetic", "--replicas", "2", "--epochs", "3",
          "--steps-per-epoch", "400", "--checkpoint-dir", str(tmp_path / "ckpt")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    replica_pids = wait_for_training(process, tmp_path)
+    if when == "start-up":
+        deadline = time.monotonic() + 60
+        while len(children(process.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        replica_pids = children(process.pid)
+    else:
+        replica_pids = wait_for_training(process, tmp_path)
     os.kill(process.pid, signal.SIGKILL)
     output, _ = process.communicate(timeout=120)  # Until the replicas close it too.
     deadline = time.monotonic() + 60
@@ -202,7 +210,8 @@ def test_a_killed_parent_leaves_replicas_that_checkpoint_and_exit_quietly(tmp_pa
     assert not [p for p in replica_pids if alive(p)], output
     assert "Traceback" not in output and "Error" not in output, output
     latest = checkpoints.CheckpointManager(str(tmp_path / "ckpt")).latest()
-    assert latest is not None and latest[1]["step_in_epoch"] > 0, output
+    assert len(replica_pids) == 2 and latest is not None, output
+    assert latest[1]["epoch"] == 0 and latest[1]["step_in_epoch"] > 0, output
 
 
 def contract_in_a_process(log, stop):
