@@ -123,11 +123,12 @@ def lowest(session, backend):
     constraints = os.path.join(session.create_tmp(), "lowest.txt")
     with open(constraints, "w") as f:
         f.write("\n".join(floors(backend)) + "\n")
-    session.install("-c", constraints, "-e", f".[{backend},test]", *TEST_TOOLS)
+    session.install("-c", constraints, "-e", f".[{backend},test]")
     session.run("python", "-m", "pip", "list")
-    env = {"KERAS_BACKEND": backend, **(jax_cache(session) if backend == "jax" else {})}
+    # No compilation cache here: jaxlib 0.4.36 crashed (SIGSEGV) running CPU programs
+    # it had read back from the cache.
     session.run("pytest", "-m", "not cross_backend", *(session.posargs or LOWEST_TESTS),
-                env=env)
+                env={"KERAS_BACKEND": backend})
 
 
 @nox.session
