@@ -145,8 +145,8 @@ def test_evaluate_without_checkpoint_is_a_clear_error(tmp_path):
     assert result.stderr.startswith("error: no checkpoint in ")
 
 
-@pytest.mark.any_backend  # Which hint the command prints.
-def test_evaluating_a_checkpoint_of_another_model_names_no_training_flag(tmp_path):
+def other_model_checkpoint(folder):
+    """A checkpoint of a model that is not the tutorial CNN, in `folder`; its path."""
     import keras
 
     from kdist import checkpoints
@@ -154,10 +154,15 @@ def test_evaluating_a_checkpoint_of_another_model_names_no_training_flag(tmp_pat
     other = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
                               keras.layers.Dense(10)])
     other.compile(optimizer="sgd", loss="mse")
-    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager = checkpoints.CheckpointManager(str(folder))
     manager.prepare()
-    path = manager.save(other, 1, metadata=dict(epoch=1, history=[], backend="x",
-                                                replicas=1, seed=0))
+    return manager.save(other, 1, metadata=dict(epoch=1, history=[], backend="x", replicas=1,
+                                                seed=0))
+
+
+@pytest.mark.any_backend  # Which hint the command prints.
+def test_evaluating_a_checkpoint_of_another_model_names_no_training_flag(tmp_path):
+    path = other_model_checkpoint(tmp_path)
     result = script(EVALUATE, "--synthetic", "600", "--checkpoint-dir", str(tmp_path))
     assert result.returncode == 1
     assert result.stderr == (f"error: {path} was written for a different model; evaluate it "
@@ -448,20 +453,6 @@ def test_a_bad_tensorboard_folder_or_no_tensorboard_package_exits_2_before_any_w
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert train(str(tmp_path / "tb")).endswith(
         "--tensorboard needs the tensorboard package: pip install 'kdist[tensorboard]'")
-
-
-def other_model_checkpoint(folder):
-    """A checkpoint of a model that is not the tutorial CNN, in `folder`."""
-    import keras
-
-    from kdist import checkpoints
-
-    other = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(10)])
-    other.compile(optimizer="sgd", loss="mse")
-    manager = checkpoints.CheckpointManager(str(folder))
-    manager.prepare()
-    manager.save(other, 1, metadata=dict(epoch=1, history=[], backend="x", replicas=1, seed=0))
 
 
 def help_flags(main, capsys):
