@@ -86,7 +86,6 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
                                          precision=precision)
     engine.compile_steps(step)
     seconds: dict[str, list[float]] = {kind: [] for kind in input_kinds}
-    fit_seconds: list[float] = []
     for epoch in range(1 + windows):
         for kind, (train, _) in sources.items():
             start = time.perf_counter()
@@ -96,7 +95,7 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
                       steps_per_execution=steps_per_execution)
             seconds[kind].append(time.perf_counter() - start)
         if fit is not None:
-            fit_seconds.append(fit.epoch())
+            fit.epoch()
     figures = {}
     ratios = paired_ratios(seconds)
     for kind, (_, test) in sources.items():
@@ -106,11 +105,9 @@ def measure_kdist(engine, dataset, global_batch, steps, windows, steps_per_execu
                              eval_seconds=evaluate_seconds, peak_rss_mb=peak_rss_mb(),
                              input_ratio=ratios[kind])
         if fit is not None:
-            rounds = [f / k for f, k in zip(fit_seconds[1:], seconds[kind][1:])]
+            rounds = [f / k for f, k in zip(fit.seconds[1:], seconds[kind][1:])]
             figures[kind].update(fit_ratio=statistics.median(rounds),
                                  fit_ratio_spread=[min(rounds), max(rounds)])
-    if fit is not None:
-        fit.seconds = fit_seconds
     return figures
 
 
@@ -158,15 +155,15 @@ class FitEpochs:
         self.seconds: list[float] = []
 
     def epoch(self):
-        """Trains one epoch with `fit`; returns its seconds."""
+        """Trains one epoch with `fit`, adding its time to `seconds`."""
         times = EpochTimes()
         self.model.fit(self.dataset.train_x[:self.count], self.dataset.train_y[:self.count],
                        batch_size=self.global_batch, epochs=1, verbose=0,
                        callbacks=[times] + self.blocking)
-        return times.seconds[0]
+        self.seconds += times.seconds
 
     def figures(self):
-        """The epochs' figures (after `measure_kdist`) and the evaluation's time."""
+        """The epochs' figures and the evaluation's time."""
         evaluate_seconds = _time_twice(lambda: self.model.evaluate(
             self.dataset.test_x, self.dataset.test_y, batch_size=self.global_batch,
             verbose=0, callbacks=self.blocking))

@@ -15,7 +15,7 @@ import dataclasses
 import numpy as np
 
 from kdist.errors import DataError
-from kdist.inputs.base import SizedSource, Stream, eval_steps
+from kdist.inputs.base import SizedSource, Stream, check_class_labels, eval_steps
 from kdist.tree import Arrays, leaves, num_examples, take_rows
 
 
@@ -89,11 +89,7 @@ def check_labels(dataset, num_classes, splits=("train", "test")):
         if not np.issubdtype(labels.dtype, np.integer):
             raise DataError(f"{dataset.source}: {split} labels are {labels.dtype}; "
                             "class labels must be integers")
-        bad = np.flatnonzero((labels < 0) | (labels >= num_classes))
-        if len(bad):
-            raise DataError(f"{dataset.source}: {split} label {labels.flat[bad[0]]} (example "
-                            f"{bad[0]}) is not a class of the model, which has {num_classes} "
-                            f"(0..{num_classes - 1}); {len(bad)} labels are out of range")
+        check_class_labels(labels, num_classes, f"{dataset.source}: {split} label", "example")
 
 
 def epoch_order(count, seed, epoch):
@@ -154,13 +150,7 @@ class ArraySource(SizedSource):
         return take_rows(self.arrays, slice(0, rows))
 
     def expect_classes(self, classes):
-        labels = self.arrays[1]
-        if isinstance(labels, np.ndarray) and labels.dtype.kind in "iu":
-            bad = np.flatnonzero((labels < 0) | (labels >= classes))
-            if len(bad):
-                raise DataError(f"{self.what}: label {labels.flat[bad[0]]} (example {bad[0]}) "
-                                f"is not a class of the model, which has {classes} "
-                                f"(0..{classes - 1}); {len(bad)} labels are out of range")
+        check_class_labels(self.arrays[1], classes, f"{self.what}: label", "example")
 
     def train(self, global_batch, *, seed, epoch, start_step=0, limit=None, shard=(0, 1)):
         return Stream(train_batches(

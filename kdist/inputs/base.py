@@ -239,13 +239,20 @@ def check_values(batch, where, classes=None):
                         f"{where}: {name} holds {array[tuple(bad[0])]} in row {bad[0][0]} "
                         f"({len(bad)} non-finite values); inputs, labels and sample weights "
                         "must be finite")
-    labels = batch[1]
-    if (classes is not None and isinstance(labels, np.ndarray) and labels.dtype.kind in "iu"
-            and labels.size and (labels.min() < 0 or labels.max() >= classes)):
+    if classes is not None:
+        check_class_labels(batch[1], classes, f"{where}: label", "row")
+
+
+def check_class_labels(labels, classes, what, unit):
+    """Raises DataError for integer `labels` (one array) outside 0..classes-1,
+    naming the first (`what` VALUE (`unit` INDEX)), the model's classes and the
+    count; other labels pass."""
+    if (isinstance(labels, np.ndarray) and labels.dtype.kind in "iu" and labels.size
+            and (labels.min() < 0 or labels.max() >= classes)):
         wrong = np.flatnonzero((labels < 0) | (labels >= classes))
-        row = np.unravel_index(wrong[0], labels.shape)[0]
-        raise DataError(f"{where}: label {labels.flat[wrong[0]]} (row {row}) is not a class "
-                        f"of the model, which has {classes} (0..{classes - 1}); {len(wrong)} "
+        index = np.unravel_index(wrong[0], labels.shape)[0]
+        raise DataError(f"{what} {labels.flat[wrong[0]]} ({unit} {index}) is not a class of "
+                        f"the model, which has {classes} (0..{classes - 1}); {len(wrong)} "
                         "labels are out of range")
 
 
