@@ -23,6 +23,8 @@ the modules that raise them (`kdist.runtime.startup.UsageError`, `kdist.errors.D
     └── Interrupted        stopped on a signal after a checkpoint (128 + signal)
 """
 
+import signal
+
 
 class KdistError(Exception):
     """The base of every error kdist raises on purpose; its message is one line for the user."""
@@ -83,3 +85,10 @@ class Interrupted(KdistError, RuntimeError):
     def __init__(self, message, signal_name=None):
         super().__init__(message)
         self.signal_name = signal_name
+
+    @property
+    def exit_status(self) -> int:
+        """What a script that ends here exits with, as a process killed by the signal
+        would: 128 + its number (SIGTERM's where another worker's signal stopped it).
+        `kdist-launch` counts a worker that exits so as stopped, not failed."""
+        return 128 + getattr(signal, self.signal_name or "SIGTERM")

@@ -1,14 +1,16 @@
-"""ClusterSpec from flags, TF_CONFIG and the KERAS_DISTRIBUTION_* variables; launcher flags."""
+"""ClusterSpec from flags, KDIST_*, TF_CONFIG, KERAS_DISTRIBUTION_*, torchrun's and SLURM's
+variables; the launcher's flags and commands."""
 
 import json
+import sys
 
 import pytest
 
 from kdist.cli import launch
 from kdist.cli import train as train_cli
 from kdist.runtime.startup import UsageError
-from kdist.workers import cluster
-from kdist.workers.processes import free_ports
+from kdist.workers import cluster, slurm
+from kdist.workers.processes import TRAIN, free_ports, worker_command
 
 # Nothing here depends on the backend (which workers take part: flags and environment
 # variables): one session runs it.
@@ -94,9 +96,80 @@ def test_launcher_refuses_cluster_flags_of_its_own(capsys):
     with pytest.raises(SystemExit) as exit_:
         launch.main(["--workers", "2", "--", "--peers", "h:1,h:2"])
     assert exit_.value.code == 2
-    assert "the launcher sets --peers and --worker-index itself" in capsys.readouterr().err
+    assert "the launcher tells each worker its peers and index itself" in capsys.readouterr().err
 
 
 def test_free_ports_are_distinct():
     ports = free_ports(3)
     assert len(set(ports)) == 3
+
+
+def test_kdist_variables_are_the_flags_and_come_before_the_backends_own():
+    environ = {"KDIST_PEERS": "127.0.0.1:7,127.0.0.1:8", "KDIST_WORKER_INDEX": "1",
+               "TF_CONFIG": json.dumps({"cluster": {"worker": ["a:1", "b:2", "c:3"]},
+                                        "task": {"type": "worker", "index": 2}})}
+    s = spec(environ=environ)
+    assert (s.num_workers, s.worker_index, s.addresses) == (2, 1, ("127.0.0.1:7", "127.0.0.1:8"))
+    assert spec(environ=environ, peers="h:1,h:2,h:3", worker_index=0).num_workers == 3
+    with pytest.raises(UsageError, match="KDIST_PEERS/KDIST_WORKERS/KDIST_WORKER_INDEX: which"):
+        spec(environ={"KDIST_PEERS": "h:1,h:2"})
+
+
+SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "3",
+              "SLURM_LOCALID": "1", "SLURM_STEP_NODELIST": "gpu[07-08]",
+              "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+
+
+@pytest.mark.parametrize("backend", ["tensorflow", "jax", "torch"])
+def test_a_slurm_step_is_one_worker_per_task_on_every_backend(backend):
+    s = spec(backend, dict(SLURM_STEP, MASTER_PORT="29500"))
+    assert (s.num_workers, s.worker_index, s.source) == (4, 3, "SLURM (srun)")
+    assert s.addresses == ("gpu07:29500", "gpu07:29501", "gpu08:29500", "gpu08:29501")
+    # Without MASTER_PORT the port comes from the job id, so two jobs on a node differ.
+    assert spec(backend, SLURM_STEP).coordinator == f"gpu07:{15000 + 4242}"
+
+
+def test_the_backends_own_variables_come_before_slurms():
+    environ = dict(SLURM_STEP, RANK="0", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="9")
+    assert spec("torch", environ).num_workers == 2  # `srun torchrun ...`: torchrun's.
+    assert spec("jax", environ).num_workers == 4
+
+
+def test_a_slurm_batch_script_outside_srun_is_one_worker():
+    environ = {k: v for k, v in SLURM_STEP.items() if k != "SLURM_STEP_NUM_TASKS"}
+    assert spec("jax", dict(environ, SLURM_NTASKS="4")).num_workers == 1
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("node[01-03,7],gpu1", ["node01", "node02", "node03", "node7", "gpu1"]),
+    ("a[1-2]b[3-4]", ["a1b3", "a1b4", "a2b3", "a2b4"]),
+    ("localhost", ["localhost"]),
+])
+def test_slurm_host_lists_expand_as_scontrol_does(text, hosts):
+    assert slurm.expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("environ, message", [
+    (dict(SLURM_STEP, SLURM_STEP_NODELIST="gpu[07-x]"), "cannot read the range"),
+    (dict(SLURM_STEP, SLURM_STEP_TASKS_PER_NODE="2,x"), "is not like '2\\(x3\\),1'"),
+    (dict(SLURM_STEP, SLURM_STEP_TASKS_PER_NODE="3(x2)"), "4 tasks but"),
+])
+def test_unreadable_slurm_variables_are_usage_errors(environ, message):
+    with pytest.raises(UsageError, match=message):
+        spec("jax", environ)
+
+
+def test_tensorflow_needs_srun_to_lay_tasks_out_node_by_node():
+    environ = dict(SLURM_STEP, SLURM_DISTRIBUTION="cyclic")
+    assert spec("jax", environ).coordinator == f"gpu07:{15000 + 4242}"
+    with pytest.raises(UsageError, match="every worker's host:port.*--distribution=block"):
+        spec("tensorflow", environ)
+
+
+@pytest.mark.parametrize("args, command", [
+    (["--epochs", "1"], [*TRAIN, "--epochs", "1"]),
+    (["my_train.py", "--epochs", "1"], [sys.executable, "my_train.py", "--epochs", "1"]),
+    (["python3", "my_train.py"], ["python3", "my_train.py"]),
+])
+def test_the_launcher_runs_kdist_train_a_script_or_a_command(args, command):
+    assert worker_command(args) == command

@@ -24,6 +24,7 @@ from kdist.workers.processes import free_ports
 
 TRAIN = os.path.join(REPO, "scripts", "train.py")
 LAUNCH = os.path.join(REPO, "scripts", "launch.py")
+OWN_SCRIPT = os.path.join(REPO, "examples", "cluster", "train.py")  # A user's script.
 # SGD: a wrongly combined gradient shows in the weights (Adam would normalise it away).
 # 1,200 generated examples (200 test): 3 steps of 16 and a short evaluation.
 COMMON = ["--synthetic", "1200", "--steps-per-epoch", "3", "--checkpoint-every", "1", "--seed",
@@ -127,12 +128,14 @@ def alive(pid):
         return f.read().split(") ")[1][0] != "Z"
 
 
-def launch_long_run(tmp_path, act, grace=60):
+def launch_long_run(tmp_path, act, grace=60, own_script=False):
     """Starts 2 workers on a long run, calls act(launcher, worker pids) once the chief
-    trains; returns (launcher exit status, its stdout lines, its stderr, worker pids)."""
+    trains; returns (launcher exit status, its stdout lines, its stderr, worker pids).
+    The workers run kdist-train, or with `own_script` examples/cluster/train.py."""
+    command = ([OWN_SCRIPT, "--synthetic", "60000"] if own_script else ["--synthetic", "--quiet"])
     proc = subprocess.Popen(
         [sys.executable, LAUNCH, "--workers", "2", "--timeout", "200", "--grace", str(grace),
-         "--", "--synthetic", "--epochs", "100", "--batch-size-per-replica", "8", "--quiet",
+         "--", *command, "--epochs", "100", "--batch-size-per-replica", "8",
          "--checkpoint-dir", str(tmp_path / "ckpt")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(tmp_path))
     try:
@@ -181,11 +184,14 @@ def test_a_killed_worker_stops_the_launcher_and_every_worker(tmp_path):
     assert not [pid for pid in pids if alive(pid)]
 
 
-@pytest.mark.any_backend  # The launcher forwards SIGHUP as SIGTERM.
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
-def test_a_signal_to_the_launcher_checkpoints_and_stops_every_worker(tmp_path, signum):
+# The launcher forwards SIGHUP as SIGTERM; a script of your own stops as kdist-train does.
+@pytest.mark.any_backend
+@pytest.mark.parametrize("signum, own_script", [(signal.SIGTERM, False), (signal.SIGHUP, True)],
+                         ids=["SIGTERM-kdist-train", "SIGHUP-your-script"])
+def test_a_signal_to_the_launcher_checkpoints_and_stops_every_worker(tmp_path, signum,
+                                                                     own_script):
     status, out, err, pids = launch_long_run(
-        tmp_path, lambda proc, pids: proc.send_signal(signum))
+        tmp_path, lambda proc, pids: proc.send_signal(signum), own_script=own_script)
     assert status == 130 and "launch: interrupted; stopped every worker" in err
     assert_stopped_together(tmp_path, out, pids)
 

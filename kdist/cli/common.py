@@ -5,7 +5,6 @@ Every main maps kdist's errors to exit statuses in one place, `run`.
 
 import functools
 import os
-import signal
 import sys
 import warnings
 
@@ -23,8 +22,7 @@ def _usage(parser, error):
 
 def _interrupted(parser, error):
     print(f"interrupted: {error}", file=sys.stderr)
-    # A worker stopped by another's signal exits as if terminated.
-    return 128 + getattr(signal, error.signal_name or "SIGTERM")
+    return error.exit_status
 
 
 def _failed(parser, error):
@@ -107,12 +105,9 @@ def cluster_spec(args):
 
 def connect(spec, replicas):
     """Joins the other workers (bounded by --connect-timeout) before anything else runs."""
-    if spec.num_workers == 1:
-        return
-    from kdist import engines
+    from kdist.engines import joining
 
-    with cluster.connect_deadline(spec):
-        engines.connect(spec, replicas)
+    joining.join(spec, replicas)
 
 
 def load_data(args):

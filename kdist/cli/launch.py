@@ -1,17 +1,19 @@
 """Local launcher: N training workers on 127.0.0.1, for trying multi-worker runs.
 
-`kdist-launch --workers 2 -- --synthetic --epochs 1` (or `python
-scripts/launch.py ...`) picks free loopback ports, starts every worker as
-`python -m kdist` (the training command; the launcher's Python, environment
-and folder, no PATH lookup) with `--peers` and its `--worker-index`,
-and prints each worker's output lines prefixed with `[worker I]`. If a worker
-exits with an error, the others are stopped and the launcher exits with that
-worker's exit status (128 + N for a worker killed by signal N), after its last
-lines. SIGTERM, SIGINT or SIGHUP to the launcher sends SIGTERM to every
-worker: they stop after the same step, the chief checkpoints. If the
-launcher itself is killed, its workers stop as on SIGTERM
-(`follow_launcher`). Every wait is bounded: `--timeout` for the whole run,
-`--grace` for workers to stop. Imports no framework.
+`kdist-launch --workers 2 -- --synthetic --epochs 1` starts `python -m kdist`
+(kdist-train, with the launcher's Python, environment and folder) with those
+flags; `kdist-launch --workers 2 -- python my_train.py ARGS` starts any command
+(a first word ending in .py runs with the launcher's Python). It picks free
+loopback ports and tells each worker its cluster in `KDIST_PEERS` and
+`KDIST_WORKER_INDEX`, which kdist-train and `kdist.connect` (called by
+`kdist.train_and_evaluate`) read. It prints each worker's output lines
+prefixed with `[worker I]`. If a worker exits with an error, the others are
+stopped and the launcher exits with that worker's exit status (128 + N for a
+worker killed by signal N), after its last lines. SIGTERM, SIGINT or SIGHUP to
+the launcher sends SIGTERM to every worker: they stop after the same step, the
+chief checkpoints. If the launcher itself is killed, its workers stop as on
+SIGTERM (`follow_launcher`). Every wait is bounded: `--timeout` for the whole
+run, `--grace` for workers to stop. Imports no framework.
 """
 
 
@@ -30,10 +32,13 @@ from kdist.workers.processes import (
 def parser():
     p = argparse.ArgumentParser(
         prog="launch.py",
-        usage="launch.py [-h] --workers N [--timeout S] [--grace S] -- [train.py flags]",
-        description="Start N training workers (kdist-train) on this machine (127.0.0.1, free "
-                    "ports), on the backend chosen by KERAS_BACKEND. Flags after -- go to "
-                    "every worker; --peers and --worker-index are added.")
+        usage="kdist-launch [-h] --workers N [--timeout S] [--grace S] "
+              "-- [kdist-train flags | COMMAND ...]",
+        description="Start N training workers on this machine (127.0.0.1, free ports), on "
+                    "the backend chosen by KERAS_BACKEND. After --: kdist-train's flags, or "
+                    "a command such as `python my_train.py ARGS` (a script that calls "
+                    "kdist.train_and_evaluate or kdist.connect). Each worker learns its "
+                    "place from KDIST_PEERS and KDIST_WORKER_INDEX.")
     p.add_argument("--workers", type=int, required=True, help="number of worker processes")
     p.add_argument("--timeout", type=float, default=24 * 3600.0,
                    help="stop every worker and fail after this many seconds "
@@ -50,8 +55,10 @@ def main(argv=None):
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
     if args.workers < 1:
         parser().error(f"--workers must be at least 1, got {args.workers}")
-    if any(a.split("=")[0] in ("--peers", "--worker-index", "--workers") for a in train_args):
-        parser().error("the launcher sets --peers and --worker-index itself; drop them")
+    flags = train_args if not train_args or train_args[0].startswith("-") else []
+    if any(a.split("=")[0] in ("--peers", "--worker-index", "--workers") for a in flags):
+        parser().error("the launcher tells each worker its peers and index itself; drop "
+                       "--peers, --workers and --worker-index")
     workers = start(args.workers, train_args)
 
     def on_signal(signum, frame):  # Like Ctrl-C: every worker checkpoints and stops.

@@ -35,6 +35,11 @@ def replica_processes(replicas):
     return 0 if module.connected() else replicas
 
 
+def connected() -> bool:
+    """Whether this process has joined other workers (`connect`) on the active backend."""
+    return bool(getattr(_backend_module(), "connected", lambda: False)())
+
+
 def connect(spec, replicas=None):
     """Joins the workers of `spec` (a `kdist.workers.cluster.ClusterSpec`) on the active backend.
 

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import keras
 import numpy as np
+from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -29,6 +30,11 @@ def connect(spec, replicas=None):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     keras.distribution.initialize(",".join(spec.addresses), spec.num_workers,
                                   spec.worker_index)
+
+
+def connected():
+    """Whether JAX's distributed runtime has started in this process."""
+    return jax_distributed.global_state.client is not None  # As jax.distributed.is_initialized.
 
 
 def _replica_devices(replicas):

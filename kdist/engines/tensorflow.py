@@ -58,6 +58,11 @@ def connect(spec, replicas=None):
     _connected = (strategy, spec)
 
 
+def connected():
+    """Whether `connect` created this process's MultiWorkerMirroredStrategy."""
+    return _connected is not None
+
+
 class Engine(contract.Engine):
     """Runs kdist's steps under a MirroredStrategy.
 

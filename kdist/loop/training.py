@@ -18,6 +18,7 @@ import numpy as np
 
 from kdist import checks, engines
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
+from kdist.engines import joining
 from kdist.errors import Interrupted, TrainingError  # noqa: F401 (importable here)
 from kdist.inputs import arrays, base, sources
 from kdist.loop import hooks, replicas, reporting, tensorboard
@@ -75,22 +76,24 @@ def train_and_evaluate(
     (the evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     checks.check_config(config)
-    processes = engines.replica_processes(config.replicas)
-    prepared = sources.prepare(dataset)
-    if processes:  # torch: this process starts one per replica and waits for them.
-        result = replicas.run(processes, train_and_evaluate, dict(
-            config=config, dataset=dataset, model_fn=model_fn, optimizer_fn=optimizer_fn,
-            loss_fn=loss_fn, compute_loss=compute_loss, callbacks=callbacks),
-            log=log, stop=stop)
-    else:
-        run = Run(config, prepared, model_fn, optimizer_fn, loss_fn, compute_loss)
-        try:
-            result = _train(run, log, interrupt.AgreedStop(stop, run.engine), callbacks)
-        except BaseException:
-            run.abandon_writes()
-            raise
-        finally:
-            run.manager.release()
+    joining.join_from_environment()  # Several workers: a script under a cluster's launcher.
+    with interrupt.stop_of_run(stop, engines.connected()) as stop:
+        processes = engines.replica_processes(config.replicas)
+        prepared = sources.prepare(dataset)
+        if processes:  # torch: this process starts one per replica and waits for them.
+            result = replicas.run(processes, train_and_evaluate, dict(
+                config=config, dataset=dataset, model_fn=model_fn, optimizer_fn=optimizer_fn,
+                loss_fn=loss_fn, compute_loss=compute_loss, callbacks=callbacks),
+                log=log, stop=stop)
+        else:
+            run = Run(config, prepared, model_fn, optimizer_fn, loss_fn, compute_loss)
+            try:
+                result = _train(run, log, interrupt.AgreedStop(stop, run.engine), callbacks)
+            except BaseException:
+                run.abandon_writes()
+                raise
+            finally:
+                run.manager.release()
     if os.environ.get(REPLICA_PROCESSES_VARIABLE) == "1":  # A replica process of `run`:
         # the process that started it builds the model and takes the callbacks' state.
         return dataclasses.replace(result, model=None,
@@ -141,7 +144,9 @@ def _train(run, log, stop, callbacks):
         if record is not None:
             metrics.epoch(record)  # After its snapshot; a resume rewrites the file.
         if stop:
-            raise _interrupted(stop, position, run.report_writes(log, wait=True)[-1])
+            saved = run.report_writes(log, wait=True)[-1]
+            stop.engine.any_worker(False)  # Every worker waits until the chief has written.
+            raise _interrupted(stop, position, saved)
         run.report_writes(log)
     run.report_writes(log, wait=True)
     calls.train_end(epoch_logs(position.history[-1], extra=False) if position.history else {})

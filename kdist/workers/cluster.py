@@ -6,13 +6,16 @@ thing TF creates; JAX's distributed runtime must start before its backend).
 
 Sources, first match wins:
 
-1. the flags `--peers`, `--workers`, `--worker-index`;
-2. on TensorFlow, `TF_CONFIG` (a `chief` task, if any, counts as worker 0);
-3. on JAX, `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`
+1. the flags `--peers`, `--workers`, `--worker-index` (or `kdist.connect`'s arguments);
+2. the same as variables, `KDIST_PEERS`, `KDIST_WORKERS`, `KDIST_WORKER_INDEX`
+   (`kdist-launch` sets them for any script; a Kubernetes manifest can too);
+3. on TensorFlow, `TF_CONFIG` (a `chief` task, if any, counts as worker 0);
+4. on JAX, `KERAS_DISTRIBUTION_JOB_ADDRESSES`, `KERAS_DISTRIBUTION_NUM_PROCESSES`
    and `KERAS_DISTRIBUTION_PROCESS_ID` (as `keras.distribution.initialize` reads them);
-4. on torch, `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (as `torchrun`
+5. on torch, `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` (as `torchrun`
    sets them; each process is one replica);
-5. otherwise one worker.
+6. a SLURM job step: each task `srun` starts is one worker (`kdist.workers.slurm`);
+7. otherwise one worker.
 
 Worker 0 is the chief: it alone prints epoch lines and writes checkpoints and
 the metrics file. On JAX it is also the coordinator.
@@ -26,7 +29,9 @@ import subprocess
 import sys
 
 from kdist.errors import UsageError
+from kdist.workers import slurm
 
+KDIST_VARIABLES = ("KDIST_PEERS", "KDIST_WORKERS", "KDIST_WORKER_INDEX")  # As the flags.
 JAX_VARIABLES = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
                  "KERAS_DISTRIBUTION_PROCESS_ID")
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -74,17 +79,23 @@ def from_flags_and_env(workers=None, worker_index=None, peers=None, connect_time
     environ = os.environ if environ is None else environ
     if workers is not None or worker_index is not None or peers is not None:
         spec = _from_flags(workers, worker_index, peers)
+    elif any(environ.get(name) for name in KDIST_VARIABLES):
+        spec = _from_kdist_variables(environ)
     elif backend == "tensorflow" and environ.get("TF_CONFIG"):
         spec = _from_tf_config(environ["TF_CONFIG"])
     elif backend == "jax" and any(environ.get(name) for name in JAX_VARIABLES):
         spec = _from_jax_variables(environ)
     elif backend == "torch" and environ.get("WORLD_SIZE"):
         spec = _from_torchrun_variables(environ)
+    elif environ.get(slurm.STEP_VARIABLE):
+        spec = _from_slurm(environ)
     else:
         spec = ClusterSpec()
     if backend == "tensorflow" and spec.num_workers > 1 and len(spec.addresses) == 1:
+        how = ("let srun lay the tasks out node by node (--distribution=block)"
+               if spec.source.startswith("SLURM") else f"list {spec.num_workers} addresses")
         raise UsageError(f"{spec.source}: TensorFlow needs every worker's host:port, "
-                         f"not only the coordinator's; list {spec.num_workers} addresses")
+                         f"not only the coordinator's; {how}")
     return dataclasses.replace(spec, connect_timeout=connect_timeout)
 
 
@@ -102,10 +113,15 @@ def _check(num_workers, index, addresses, source):
     return ClusterSpec(num_workers, index, tuple(addresses), source=source)
 
 
-def _from_flags(workers, worker_index, peers):
-    addresses = [parse_address(a, "--peers") for a in peers.split(",")] if peers else []
+def _from_flags(workers, worker_index, peers, source="--peers/--workers/--worker-index"):
+    addresses = [parse_address(a, source) for a in peers.split(",")] if peers else []
     num_workers = workers if workers is not None else max(len(addresses), 1)
-    return _check(num_workers, worker_index, addresses, "--peers/--workers/--worker-index")
+    return _check(num_workers, worker_index, addresses, source)
+
+
+def _from_kdist_variables(environ):
+    return _from_flags(_number(environ, "KDIST_WORKERS"), _number(environ, "KDIST_WORKER_INDEX"),
+                       environ.get("KDIST_PEERS"), "KDIST_PEERS/KDIST_WORKERS/KDIST_WORKER_INDEX")
 
 
 def _from_tf_config(text):
@@ -158,6 +174,13 @@ def _from_torchrun_variables(environ):
                             "MASTER_ADDR:MASTER_PORT")
     return _check(_number(environ, "WORLD_SIZE"), _number(environ, "RANK"), [address],
                   "RANK/WORLD_SIZE (torchrun)")
+
+
+def _from_slurm(environ):
+    """The spec of a SLURM job step: task SLURM_PROCID of SLURM_STEP_NUM_TASKS."""
+    num_tasks = _number(environ, slurm.STEP_VARIABLE)
+    addresses = slurm.addresses(environ, num_tasks) if num_tasks > 1 else []
+    return _check(num_tasks, _number(environ, "SLURM_PROCID"), addresses, "SLURM (srun)")
 
 
 _WATCHDOG = """

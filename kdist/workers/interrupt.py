@@ -9,7 +9,10 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 from collections.abc import Iterator
+
+from kdist.workers.processes import LAUNCHER_VARIABLE, follow_launcher
 
 
 class StopRequest:
@@ -61,6 +64,28 @@ def stop_on_signals(stop: StopRequest, escalate: bool = True) -> Iterator[StopRe
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def stop_of_run(stop: object, several_workers: bool) -> Iterator[object]:
+    """The stop request a library run acts on: `stop` where the caller gives one.
+
+    Else, for a run of several workers or a process a kdist launcher started,
+    the run's own `StopRequest`: SIGINT, SIGTERM and SIGHUP set it for the
+    block (from the main thread), and so does the launcher's end. Every
+    worker then stops after the same step and the chief checkpoints, as under
+    `kdist-train`, where a signal's default would end one worker in the middle
+    of a step and leave the others waiting. Else None: signals act as before.
+    """
+    launched = bool(os.environ.get(LAUNCHER_VARIABLE))
+    main_thread = threading.current_thread() is threading.main_thread()
+    if stop is not None or not (several_workers or launched) or not main_thread:
+        yield stop
+        return
+    own = StopRequest()
+    supervised = follow_launcher(own)
+    with stop_on_signals(own, escalate=not supervised):
+        yield own
 
 
 class AgreedStop:

@@ -16,9 +16,12 @@ import time
 # The training command, kdist-train's `kdist.cli.train.main`, run by kdist/__main__.py.
 TRAIN = [sys.executable, "-m", "kdist"]
 
-# Set by the launcher; inherited values would describe another cluster.
+# Set by the launcher; inherited values would describe another cluster
+# (`kdist.workers.cluster` reads them; SLURM_STEP_NUM_TASKS marks a SLURM job step).
 CLUSTER_VARIABLES = ("TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES",
-                     "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID")
+                     "KERAS_DISTRIBUTION_NUM_PROCESSES", "KERAS_DISTRIBUTION_PROCESS_ID",
+                     "KDIST_PEERS", "KDIST_WORKERS", "KDIST_WORKER_INDEX", "SLURM_STEP_NUM_TASKS")
+PEERS_VARIABLE, WORKER_INDEX_VARIABLE = "KDIST_PEERS", "KDIST_WORKER_INDEX"  # What it sets.
 
 LAST_LINES = 20
 
@@ -118,18 +121,27 @@ def exit_status(returncode):
     return 128 - returncode if returncode < 0 else returncode
 
 
-def start(num_workers, train_args):
+def worker_command(args):
+    """What each worker runs: `args` where it names a program (`python train.py
+    ...`; a first word ending in .py runs with this Python), else kdist-train
+    with `args` as its flags."""
+    if not args or args[0].startswith("-"):
+        return [*TRAIN, *args]
+    return [sys.executable, *args] if args[0].endswith(".py") else list(args)
+
+
+def start(num_workers, args):
+    """Starts `num_workers` workers of `worker_command(args)` on 127.0.0.1, each told
+    the cluster by `KDIST_PEERS` and `KDIST_WORKER_INDEX`."""
     ports = free_ports(num_workers)
     peers = ",".join(f"127.0.0.1:{port}" for port in ports)
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
-    env["PYTHONUNBUFFERED"] = "1"
-    env[LAUNCHER_VARIABLE] = str(os.getpid())
-    env[LOCAL_PROCESSES_VARIABLE] = str(num_workers)
+    env.update({"PYTHONUNBUFFERED": "1", LAUNCHER_VARIABLE: str(os.getpid()),
+                LOCAL_PROCESSES_VARIABLE: str(num_workers), PEERS_VARIABLE: peers})
     workers = []
     for index in range(num_workers):
-        command = [*TRAIN, *train_args, "--peers", peers,
-                   "--worker-index", str(index)]
-        workers.append(Worker(index, command, env))
+        env[WORKER_INDEX_VARIABLE] = str(index)
+        workers.append(Worker(index, worker_command(args), dict(env)))
         _print_line(f"launch: worker {index} pid {workers[-1].proc.pid} ({peers})")
     return workers
 

@@ -1,0 +1,72 @@
+"""Joining the other workers of a run: `kdist.connect`, and the join of
+`train_and_evaluate` and the commands."""
+
+import keras
+
+from kdist import engines
+from kdist.errors import UsageError
+from kdist.workers import cluster
+
+_TOO_LATE = ("this process ran {framework} before joining the other workers ({error}); call "
+             "kdist.connect() first thing in the script, before building data pipelines, "
+             "models or tensors")
+
+
+def connect(*, peers: str | None = None, workers: int | None = None,
+            worker_index: int | None = None, timeout: float = 120.0,
+            replicas: int | None = None) -> cluster.ClusterSpec:
+    """Joins this process to the other workers of its run; returns its `ClusterSpec`.
+
+    The workers are read from the arguments, else from the environment, first
+    match wins (`kdist.workers.cluster`): `KDIST_PEERS` / `KDIST_WORKERS` /
+    `KDIST_WORKER_INDEX` (`kdist-launch` sets them), `TF_CONFIG` (TensorFlow),
+    `KERAS_DISTRIBUTION_*` (JAX), torchrun's `RANK` / `WORLD_SIZE` /
+    `MASTER_ADDR` / `MASTER_PORT` (torch), a SLURM job step (every backend).
+    Alone (none of these), it does nothing. Joined already, it returns at once.
+
+    Call it first thing: TensorFlow and JAX must join before they run anything.
+    `train_and_evaluate` calls it itself, so a script needs it only where it
+    runs TensorFlow or JAX before training, or wants its place (`worker_index`,
+    `num_workers`, `is_chief`), e.g. to read its own share of the data.
+
+    Args:
+        peers: every worker's `host:port`, in worker order (JAX and torch
+            need only worker 0's, the coordinator).
+        workers: the number of workers (default: the number of `peers`).
+        worker_index: this worker's place in `peers`, from 0.
+        timeout: seconds to wait for every worker. A worker that cannot
+            reach its peers in time prints one line naming them and exits
+            with status 137: the frameworks wait in native code that Python
+            cannot interrupt.
+        replicas: this worker's device count (TensorFlow and JAX; on torch
+            each process is one replica).
+
+    Raises UsageError for inconsistent settings, or when the framework has
+    already run.
+    """
+    spec = cluster.from_flags_and_env(workers, worker_index, peers, timeout,
+                                      backend=keras.backend.backend())
+    join(spec, replicas)
+    return spec
+
+
+def join(spec: cluster.ClusterSpec, replicas: int | None = None) -> None:
+    """Joins the workers of `spec`, bounded by its timeout; nothing alone or joined."""
+    if spec.num_workers == 1 or engines.connected():
+        return
+    with cluster.connect_deadline(spec):
+        try:
+            engines.connect(spec, replicas)
+        except RuntimeError as error:  # TF: "Collective ops must be configured at program
+            # startup"; JAX: "jax.distributed.initialize() must be called before any JAX calls ...".
+            if "at program startup" in str(error) or "before any JAX" in str(error):
+                raise UsageError(_TOO_LATE.format(framework=keras.backend.backend(),
+                                                  error=error)) from None
+            raise
+
+
+def join_from_environment() -> None:
+    """The join of `train_and_evaluate`: the workers the environment names
+    (`connect` with no arguments), unless this process has joined already."""
+    if not engines.connected():
+        join(cluster.from_flags_and_env(backend=keras.backend.backend()))

@@ -1,0 +1,131 @@
+"""Your own script on several workers: examples/cluster/train.py, unchanged, as 2
+processes on 127.0.0.1 under each launcher's environment, ends with the weights of
+1 process with 2 replicas (to 1e-5; plain SGD, so a wrong scale shows).
+
+The environments are those the clusters set: the backend's own (TF_CONFIG,
+KERAS_DISTRIBUTION_*, torchrun itself), a SLURM job step's (as
+examples/cluster/slurm.sbatch gets from srun) and the variables of
+examples/cluster/job.yaml (a Kubernetes indexed Job; kdist-launch sets the same).
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import keras
+import pytest
+from conftest import REPO
+from test_multiworker import environment, final_weights, max_difference
+
+import kdist
+from kdist.workers.processes import free_ports
+
+SCRIPT = os.path.join(REPO, "examples", "cluster", "train.py")
+MANIFEST = os.path.join(REPO, "examples", "cluster", "job.yaml")
+ARGS = ["--synthetic", "1200", "--epochs", "1", "--steps-per-epoch", "3",
+        "--batch-size-per-replica", "8", "--learning-rate", "0.1"]
+BACKEND = keras.backend.backend()
+
+
+def two_free_ports():
+    """A free port p on 127.0.0.1 with p + 1 free too (a SLURM node's tasks count up)."""
+    for port in free_ports(20):
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no two consecutive free ports")
+
+
+def native(index, port):
+    """The backend's own variables (torch: torchrun sets them, see `commands`)."""
+    peers = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    if BACKEND == "tensorflow":
+        return {"TF_CONFIG": json.dumps({"cluster": {"worker": peers},
+                                         "task": {"type": "worker", "index": index}})}
+    return {"KERAS_DISTRIBUTION_JOB_ADDRESSES": peers[0],
+            "KERAS_DISTRIBUTION_NUM_PROCESSES": "2", "KERAS_DISTRIBUTION_PROCESS_ID": str(index)}
+
+
+def slurm(index, port):
+    """What srun sets in each task of a 2-task step on one node (slurm.sbatch's MASTER_PORT)."""
+    return {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
+            "SLURM_PROCID": str(index), "SLURM_LOCALID": str(index),
+            "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2",
+            "MASTER_PORT": str(port)}
+
+
+def kubernetes(index, port):
+    """The manifest's variables, with this machine's addresses for the pods' names."""
+    with open(MANIFEST) as f:
+        names = re.findall(r"- name: (KDIST_\w+)", f.read())
+    assert names == ["KDIST_PEERS", "KDIST_WORKER_INDEX"]
+    return {"KDIST_PEERS": f"127.0.0.1:{port},127.0.0.1:{port + 1}",
+            "KDIST_WORKER_INDEX": str(index)}
+
+
+def commands(how, folder, port):
+    """[(command, extra environment)] of the 2 workers."""
+    args = [SCRIPT, *ARGS, "--checkpoint-dir", folder]
+    if how == "native" and BACKEND == "torch":  # torchrun starts both.
+        return [([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                  "--master-addr", "127.0.0.1", "--master-port", str(port), *args], {})]
+    variables = {"native": native, "slurm": slurm, "kubernetes": kubernetes}[how]
+    return [([sys.executable, *args], variables(index, port)) for index in (0, 1)]
+
+
+def run_all(tmp_path, started):
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=dict(environment(tmp_path), **extra))
+                 for command, extra in started]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=240)[0])
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+    assert [p.returncode for p in processes] == [0] * len(processes), "\n".join(outputs)
+    return "\n".join(outputs)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The reference: the same script, one process with 2 replicas."""
+    tmp_path = tmp_path_factory.mktemp("one-process")
+    folder = str(tmp_path / "ckpt")
+    run_all(tmp_path, [([sys.executable, SCRIPT, *ARGS, "--replicas", "2",
+                         "--checkpoint-dir", folder], {})])
+    return final_weights(folder, 3)
+
+
+@pytest.mark.parametrize("how", ["native", "slurm", "kubernetes"])
+def test_your_script_as_two_workers_equals_one_process_with_two_replicas(
+        tmp_path, one_process, how):
+    folder = str(tmp_path / "ckpt")
+    out = run_all(tmp_path, commands(how, folder, two_free_ports()))
+    assert "Workers: 2; this chief" in out and "Worker 0 of 2: test accuracy" in out
+    assert os.listdir(folder) == ["ckpt-00000003.weights.h5"]  # The chief's alone.
+    difference = max_difference(final_weights(folder, 3), one_process)
+    print(f"\nmax |2 workers ({how}) - 1 process x 2 replicas| = {difference:.3g}")
+    assert difference <= 1e-5
+
+
+def test_connect_alone_does_nothing_and_says_so():
+    alone = kdist.connect()
+    assert (alone.num_workers, alone.worker_index, alone.is_chief) == (1, 0, True)
+
+
+@pytest.mark.skipif(BACKEND == "torch", reason="torch's process group may start at any time")
+def test_connect_after_the_framework_ran_is_one_clear_error():
+    # This process ran TensorFlow or JAX already (conftest.py): too late to join.
+    with pytest.raises(kdist.UsageError, match="call kdist.connect\\(\\) first thing"):
+        kdist.connect(peers=",".join(f"127.0.0.1:{p}" for p in free_ports(2)),
+                      worker_index=0, timeout=30)
