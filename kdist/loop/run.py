@@ -144,6 +144,20 @@ class Run:
         paths. Raises the `CheckpointError` a write ended with."""
         return self._log_writes(log, progress, self.writer.written(wait))
 
+    def end_writes_together(self, log):
+        """At a stop: waits for the writes in flight, then for every worker (one
+        `any_worker`, also where the chief's write failed), so that no worker exits
+        before the chief's checkpoint is on disk (a launcher stops the others when
+        one exits). Logs the writes; returns the newest path."""
+        try:
+            paths, failure = self.writer.written(wait=True), None
+        except CheckpointError as error:
+            paths, failure = [], error
+        self.engine.any_worker(failure is not None)
+        if failure is not None:
+            raise failure
+        return self._log_writes(log, None, paths)[-1]
+
     @staticmethod
     def _log_writes(log, progress, paths):
         if paths and progress is not None:

@@ -144,9 +144,7 @@ def _train(run, log, stop, callbacks):
         if record is not None:
             metrics.epoch(record)  # After its snapshot; a resume rewrites the file.
         if stop:
-            saved = run.report_writes(log, wait=True)[-1]
-            stop.engine.any_worker(False)  # Every worker waits until the chief has written.
-            raise _interrupted(stop, position, saved)
+            raise _interrupted(stop, position, run.end_writes_together(log))
         run.report_writes(log)
     run.report_writes(log, wait=True)
     calls.train_end(epoch_logs(position.history[-1], extra=False) if position.history else {})
