@@ -4,14 +4,13 @@ from a tf.data pipeline or a PyDataset with SGD, through the library API.
     python tests/input_worker.py KIND CHECKPOINT_DIR BATCH_PER_REPLICA [PEERS INDEX]
 
 With PEERS (every worker's host:port) and INDEX it joins the other workers
-first, before any TensorFlow op or JAX computation, as `kdist-train` does.
+first, before any TensorFlow op or JAX computation, with `kdist.connect`.
 """
 
 import sys
 
+import kdist
 from kdist.inputs import base
-from kdist.runtime import startup
-from kdist.workers import cluster
 
 
 def inputs_of(kind):
@@ -41,15 +40,8 @@ def train(kind, folder, batch_size, replicas=None, log=print):
 
 
 def main(kind, folder, batch_size, peers=None, index=None):
-    backend = startup.selected_backend()
-    spec = cluster.from_flags_and_env(None, None if index is None else int(index), peers,
-                                      60.0, backend=backend)
-    startup.prepare_environment()
-    from kdist import engines
-
-    if spec.num_workers > 1:
-        with cluster.connect_deadline(spec):
-            engines.connect(spec)
+    kdist.prepare_environment()
+    kdist.connect(peers=peers, worker_index=None if index is None else int(index), timeout=60)
     train(kind, folder, int(batch_size), log=lambda line: print(line, flush=True))
 
 

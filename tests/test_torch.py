@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 from helpers import prepare
+from test_training import checkpoint_arrays
 
 from kdist import checkpoints, engines, tree
 from kdist.engines import contract
@@ -184,34 +185,72 @@ def test_a_killed_replica_process_ends_the_run_with_an_error(tmp_path):
     assert not [p for p in replica_pids if alive(p)]
 
 
-@pytest.mark.parametrize("when", ["start-up", "mid-epoch"])
-def test_a_killed_parent_leaves_replicas_that_checkpoint_and_exit_quietly(tmp_path, when):
-    """SIGKILL of the parent, as soon as the replicas exist or mid-epoch: the replicas
-    (which still print to the same output) agree on a step (the first chunk's,
-    after a start-up), the chief writes a checkpoint there, and they exit without
-    a traceback."""
-    process = subprocess.Popen(  # Not --quiet: the chief has lines for the dead parent.
-        [sys.executable, TRAIN, "--synthetic", "--replicas", "2", "--epochs", "3",
-         "--steps-per-epoch", "400", "--checkpoint-dir", str(tmp_path / "ckpt")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"))
+# Not --quiet: the chief has lines for the dead parent. A checkpoint every 100 steps marks
+# a point in the middle of the epoch; SGD, so that a wrong resume shows in the weights.
+PARENT_RUN = ["--synthetic", "--replicas", "2", "--epochs", "1", "--steps-per-epoch", "400",
+              "--batch-size-per-replica", "16", "--checkpoint-every-steps", "100",
+              "--optimizer", "sgd", "--learning-rate", "0.1"]
+
+
+def run_to_the_end(folder):
+    result = subprocess.run([sys.executable, TRAIN, *PARENT_RUN, "--checkpoint-dir", folder],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return checkpoint_arrays(os.path.join(folder, "ckpt-00000400.weights.h5"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return run_to_the_end(str(tmp_path_factory.mktemp("uninterrupted") / "ckpt"))
+
+
+def kill_parent_when(process, when):
+    """SIGKILLs the parent at `when`: as soon as both replicas exist, just after the
+    first mid-epoch checkpoint (at the first chunk's end past step 100), or just after
+    the epoch's line (its checkpoint comes next); returns the replica processes."""
+    deadline = time.monotonic() + 120
     if when == "start-up":
-        deadline = time.monotonic() + 60
         while len(children(process.pid)) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        replica_pids = children(process.pid)
     else:
-        replica_pids = wait_for_training(process, tmp_path)
+        mark = "Saved checkpoint" if when == "mid-epoch" else "Epoch 1/1"
+        seen = []
+        for line in process.stdout:
+            seen.append(line)
+            if mark in line or time.monotonic() > deadline:
+                break
+        assert mark in seen[-1], "".join(seen)
+    pids = children(process.pid)
     os.kill(process.pid, signal.SIGKILL)
+    return pids
+
+
+@pytest.mark.parametrize("when", ["start-up", "mid-epoch", "before-the-epoch-checkpoint"])
+def test_a_killed_parent_leaves_replicas_that_checkpoint_exit_quietly_and_resume_exactly(
+        tmp_path, uninterrupted, when):
+    """The replicas (which still print to the same output) agree on a step, the chief
+    writes a checkpoint there, and they exit without a traceback; running the
+    command again ends with the uninterrupted run's weights."""
+    folder = str(tmp_path / "ckpt")
+    process = subprocess.Popen([sys.executable, TRAIN, *PARENT_RUN, "--checkpoint-dir", folder],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    replica_pids = kill_parent_when(process, when)
     output, _ = process.communicate(timeout=120)  # Until the replicas close it too.
     deadline = time.monotonic() + 60
     while [p for p in replica_pids if alive(p)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [p for p in replica_pids if alive(p)], output
+    assert len(replica_pids) == 2 and not [p for p in replica_pids if alive(p)], output
     assert "Traceback" not in output and "Error" not in output, output
-    latest = checkpoints.CheckpointManager(str(tmp_path / "ckpt")).latest()
-    assert len(replica_pids) == 2 and latest is not None, output
-    assert latest[1]["epoch"] == 0 and latest[1]["step_in_epoch"] > 0, output
+    latest = checkpoints.CheckpointManager(folder).latest()
+    assert latest is not None, output
+    if when == "before-the-epoch-checkpoint":  # The epoch's checkpoint was not lost.
+        assert os.path.basename(latest[0]) == "ckpt-00000400.weights.h5", output
+    else:  # They stopped within the epoch, at a step they agreed on, and saved it.
+        assert latest[1]["epoch"] == 0 and latest[1]["step_in_epoch"] > 0, output
+    resumed = run_to_the_end(folder)
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(np.array_equal(resumed[k], uninterrupted[k]) for k in resumed), when
 
 
 def contract_in_a_process(log, stop):
