@@ -382,6 +382,37 @@ def test_a_function_of_the_epoch_resumes_mid_epoch_exactly(tmp_path):
             "if it yields the same batches as before") in banner
 
 
+def own_shares(told):
+    """A train function yielding this replica's rows of each global batch of 32 (torch:
+    one process each); it marks each shard it is told with a file in the folder `told`."""
+    def batches(epoch, shard):
+        index, count = shard
+        (told / f"{index}-of-{count}").touch()
+        x, y = TRAIN
+        order, local = np.random.default_rng([4, epoch]).permutation(len(x)), 32 // count
+        for start in range(0, len(x) - 31, 32):
+            rows = order[start + index * local:start + (index + 1) * local]
+            yield x[rows], y[rows]
+
+    return batches
+
+
+def test_a_function_told_its_shard_trains_two_replicas_like_one(tmp_path):
+    """On torch each replica process reads only its share (`shard` = (rank, 2));
+    in one process (TensorFlow, JAX) the function is told (0, 1) and read whole."""
+    told = tmp_path / "told"
+    told.mkdir()
+    train(tmp_path, "two", base.Inputs(own_shares(told), TEST), replicas=2,
+          batch_size_per_replica=16)
+    shards = sorted(os.listdir(told))  # "0-of-1" also: the batch read to build the model.
+    assert shards == (["0-of-1", "0-of-2", "1-of-2"] if keras.backend.backend() == "torch"
+                      else ["0-of-1"])
+    train(tmp_path, "one", base.Inputs(own_shares(told), TEST), replicas=1,
+          batch_size_per_replica=32)
+    worst = max_difference(final_weights(tmp_path, "two"), final_weights(tmp_path, "one"))
+    assert worst <= 1e-5, worst
+
+
 @pytest.fixture(scope="module")
 def one_epoch(tmp_path_factory):
     """A checkpoint folder after one epoch of the toy data."""
@@ -561,3 +592,39 @@ def test_tf_data_feeds_jax_as_it_feeds_tensorflow(tmp_path):
         folder = tmp_path / str(index)
         folder.mkdir()
         test(folder)
+
+
+def test_workers_agree_on_the_steps_of_a_chunk_when_their_shares_end_apart():
+    """`chunks._agreed_steps` on 2 simulated workers (threads whose `any_worker` is an
+    OR over both): each gets the smaller count, after one collective when both are full."""
+    import threading
+
+    from kdist.loop import chunks
+
+    class Worker:  # any_worker: both threads meet, then see the OR of their flags.
+        flags, barrier, calls = [False, False], threading.Barrier(2), [0, 0]
+
+        def __init__(self, index):
+            self.index = index
+
+        def any_worker(self, flag):
+            self.calls[self.index] += 1
+            self.flags[self.index] = flag
+            self.barrier.wait(timeout=10)
+            both = any(self.flags)
+            self.barrier.wait(timeout=10)
+            return both
+
+    for counts, agreed, calls in [((4, 4), 4, 1), ((4, 2), 2, 4), ((1, 3), 1, 3),
+                                  ((0, 4), 0, 2)]:
+        got, Worker.calls = [None, None], [0, 0]
+
+        def run(index, counts=counts, got=got):
+            got[index] = chunks._agreed_steps(Worker(index), counts[index], 4)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        assert got == [agreed, agreed] and Worker.calls == [calls, calls], counts

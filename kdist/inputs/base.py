@@ -143,13 +143,17 @@ class Stream:
     """One pass over a source's batches, counting what it yields and whether it ran out.
 
     The loop learns from it whether an epoch ended (`finished`) without
-    knowing the epoch's length beforehand.
+    knowing the epoch's length beforehand. A stream of this worker's own share
+    (`shared_end`: the workers' shares may end at different steps) ends where
+    the workers agree it does (`kdist.loop.chunks.run_steps` calls `end_agreed`).
     """
 
-    def __init__(self, batches):
+    def __init__(self, batches, shared_end=False):
         self._batches = batches
         self.count = 0
         self.ended = False
+        self.shared_end = shared_end
+        self._agreed = False
 
     def __iter__(self):
         for batch in self._batches:
@@ -157,9 +161,14 @@ class Stream:
             yield batch
         self.ended = True
 
+    def end_agreed(self):
+        """The workers agreed that the epoch ends here, where some worker's share ran out."""
+        self._agreed = True
+
     def finished(self, consumed):
-        """Whether the pass ran out and the consumer took all `consumed` of its batches."""
-        return self.ended and consumed == self.count
+        """Whether the pass ran out (or the workers agreed it ended) and the consumer
+        took all `consumed` of its batches."""
+        return self._agreed or (self.ended and consumed == self.count)
 
 
 class BatchCheck:
@@ -324,6 +333,21 @@ def train_slices(global_batches, global_batch, start_step, limit, shard, what):
         raise DataError(f"{what} is empty" if not short else
                         f"{what} holds {short} examples, fewer than one global batch of "
                         f"{global_batch}; lower batch_size_per_replica")
+
+
+def local_batches(pairs, local, start_step, limit, what):
+    """A worker's own share, read by it alone: full batches of `local` rows (its rows
+    of each global batch), from `start_step` up to `limit`; DataError if a pass from
+    the start has not one."""
+    step = start_step
+    for batch, rows in cut(pairs, local):
+        if (limit is not None and step >= limit) or rows < local:
+            break
+        yield batch
+        step += 1
+    if step == 0:
+        raise DataError(f"{what} yielded fewer than {local} examples, this worker's rows "
+                        "of one global batch; lower batch_size_per_replica")
 
 
 def eval_slices(global_batches, global_batch, shard, what):

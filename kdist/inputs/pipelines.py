@@ -177,7 +177,8 @@ class TfDataSource(_StreamSource):
 
 
 class GeneratorSource(_StreamSource):
-    """A function returning an iterator of batches, called once per epoch."""
+    """A function returning an iterator of batches, called once per epoch; one with
+    a `shard` parameter returns this worker's share (`train`)."""
 
     kind = "function"
 
@@ -185,9 +186,11 @@ class GeneratorSource(_StreamSource):
         super().__init__(what)
         self.make = make
         self.takes_epoch = _takes_argument(make)
+        self.takes_shard = _has_parameter(make, "shard")
 
-    def _open(self, epoch, skip, global_batch):
-        made = self.make(epoch or 0) if self.takes_epoch else self.make()
+    def _open(self, epoch, skip, global_batch, shard=(0, 1)):
+        args = (epoch or 0,) if self.takes_epoch else ()
+        made = self.make(*args, shard=shard) if self.takes_shard else self.make(*args)
         if is_tf_dataset(made):  # A tf.data.Dataset made for the epoch.
             made = numpy_batches(_for_reading(made, global_batch), self.what)
         try:
@@ -195,6 +198,22 @@ class GeneratorSource(_StreamSource):
         except TypeError:
             raise DataError(f"{self.what}: the function returned a {type(made).__name__}, "
                             "not an iterator of batches") from None
+
+    def train(self, global_batch, *, seed, epoch, start_step=0, limit=None, shard=(0, 1)):
+        """With `shard` (index, count) of several workers and a function that takes
+        `shard`: its share, cut into this worker's rows of each global batch, read
+        by it alone; the epoch ends where any worker's share runs out."""
+        if not self.takes_shard or shard[1] == 1:
+            return super().train(global_batch, seed=seed, epoch=epoch, start_step=start_step,
+                                 limit=limit, shard=shard)
+        local = global_batch // shard[1]
+
+        def batches():
+            made, _ = self._open(epoch, 0, global_batch, shard)
+            pairs = base.drop_rows(self._checked(made), start_step * local)
+            yield from base.local_batches(pairs, local, start_step, limit, self.what)
+
+        return base.Stream(batches(), shared_end=True)
 
 
 # How much kdist reads from a tf.data pipeline at a time: each read is a call
@@ -266,6 +285,13 @@ def _takes_argument(function):
         return False
     return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
                and p.default is p.empty for p in parameters)
+
+
+def _has_parameter(function, name):
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def resume_note(source, step_in_epoch, global_batch):

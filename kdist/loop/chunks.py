@@ -38,7 +38,7 @@ def totals_from_json(values, step):
 
 
 def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
-              steps_per_execution=1, before_chunk=None, after_chunk=None):
+              steps_per_execution=1, before_chunk=None, after_chunk=None, ending=None):
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
     Batches go to the engine in chunks of `steps_per_execution`, one compiled
@@ -52,14 +52,25 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
     chunk runs, `after_chunk(steps done, totals)` after it. After each chunk
     `should_stop()` is called,
     on every worker at the same point; when it returns true, no further
-    chunk runs. Returns (totals, steps run).
+    chunk runs. `ending`, the `kdist.inputs.base.Stream` of a worker's own share
+    (whose length may differ between workers): before each chunk the workers
+    agree on its step count (`_agreed_steps`), and the epoch ends, on every
+    worker, at the first step some worker lacks. Returns (totals, steps run).
     """
     totals = {k: np.array(v, np.float64) for k, v in totals.items()}
     done = 0
     chunks = prefetch.Prefetched((engine.distribute(padded), count) for padded, count
                                  in _stacked_chunks(engine, batches, steps_per_execution))
+    read = chunks if ending is None else itertools.chain(chunks, [(None, 0)])
     try:
-        for chunk, count in chunks:
+        for chunk, count in read:
+            if ending is not None:
+                agreed = _agreed_steps(engine, count, steps_per_execution)
+                if agreed < steps_per_execution:
+                    ending.end_agreed()  # After this chunk, if any: some share ran out.
+                if agreed == 0:
+                    break
+                count = agreed
             if before_chunk is not None:
                 before_chunk(done)
             per_step = {k: np.asarray(v) for k, v in step_fn(chunk, count).items()}
@@ -74,9 +85,23 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
                 after_chunk(done, totals)
             if should_stop is not None and should_stop():
                 break
+            if ending is not None and count < steps_per_execution:
+                break
     finally:
         chunks.close()
     return totals, done
+
+
+def _agreed_steps(engine, count, size):
+    """The step count every worker has for the next chunk: `count` where every
+    worker has a full chunk of `size` (one collective), else the smallest of the
+    workers' counts (one collective more per step it counts, once an epoch)."""
+    if not engine.any_worker(count < size):
+        return count
+    agreed = 0
+    while agreed < size and not engine.any_worker(count <= agreed):
+        agreed += 1
+    return agreed
 
 
 def _stacked_chunks(engine, batches, size):

@@ -102,7 +102,8 @@ class Run:
                 self.engine, self.engine.train_chunk, with_draws, totals, on_step,
                 lambda: stop.poll() or calls.poll_stop(), self.train_chunk,
                 before_chunk=lambda done: calls.batch_begin(first_step + done),
-                after_chunk=after_chunk)
+                after_chunk=after_chunk,
+                ending=batches if batches.shared_end and self.engine.shard[1] > 1 else None)
         finally:
             if progress is not None:
                 progress.close()
