@@ -56,6 +56,26 @@ def test_each_worker_reads_only_the_map_dataset_batches_holding_its_rows():
     np.testing.assert_array_equal(slices[0][0], x[16:32])
 
 
+def test_a_function_told_its_shard_reads_only_its_slice_of_an_iter_dataset():
+    """Grain's own sharding, chosen by the function: worker 1 of 2 slices the source
+    `[1::2]` and reads only those examples, cut into its rows of each global batch."""
+    x, y = TRAIN
+    read = []
+
+    def share(epoch, shard):
+        index, count = shard
+        rows = grain.MapDataset.range(400)[index::count]
+        return (rows.map(lambda i: read.append(i) or (x[i], y[i])).batch(10)
+                .to_iter_dataset())
+
+    source = sources.source_for(share, "train")
+    read.clear()
+    slices = list(source.train(32, seed=SEED, epoch=0, shard=(1, 2)))
+    assert len(slices) == 12 and all(len(batch[0]) == 16 for batch in slices)
+    assert len(read) <= 200 and all(i % 2 == 1 for i in read)  # Its half, nothing else.
+    np.testing.assert_array_equal(slices[0][0], x[1:32:2])
+
+
 @pytest.mark.parametrize("kind", ["MapDataset", "IterDataset"])
 def test_evaluation_splits_full_batches_and_shares_the_tail(kind):
     x, y = TEST
