@@ -119,6 +119,14 @@ def _parent(pid):
         return int(f.read().rsplit(") ", 1)[1].split()[1])
 
 
+def _command(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
+
+
 def target(name, process):
     """The pid the fault goes to."""
     kind = name.split()[0]
@@ -138,7 +146,8 @@ def one_round(fault, reference, folder, max_delay):
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True,
                                env=dict(os.environ, KDIST_CHAOS_ROUND=folder))
-    time.sleep(random.uniform(0.5, max_delay))
+    delay = random.uniform(0.5, max_delay)
+    time.sleep(delay)
     pid = target(name, process)
     if process.poll() is not None or pid is None:
         process.wait()
@@ -150,10 +159,11 @@ def one_round(fault, reference, folder, max_delay):
         process.poll()  # Reaps the child, so it no longer counts as alive.
     left = marked(mark)
     if left:
+        commands = "; ".join(_command(p)[:90] for p in left)
         for p in left:
             os.kill(p, signal.SIGKILL)
         process.wait(timeout=30)
-        return "left processes", f"{len(left)} alive 60 s after the fault"
+        return "left processes", f"{len(left)} alive 60 s after the fault at {delay:.1f} s: {commands}"
     resumed, output = run_to_end(prefix, flags, folder)
     if resumed is None:
         return "resume failed", output

@@ -172,16 +172,20 @@ def supervise(workers, timeout, grace):
 
 
 def stopped(worker, workers, grace):
-    """A worker stopped on a signal, after a checkpoint: every worker stops after
-    that same step, so the others get `grace` seconds to exit on their own.
+    """A worker stopped on a signal: after a checkpoint every worker stops after that
+    same step, so the others get `grace` seconds to exit on their own. They get
+    SIGTERM too: a worker signalled while starting exits before any step, and the
+    others, with no step to agree on, stop only so.
 
     Returns the worker's exit status.
     """
+    for other in workers:
+        other.terminate()  # After an agreed stop, a second request changes nothing.
     deadline = time.monotonic() + grace
     for other in workers:
         other.wait_or_kill(deadline)
-    print(f"launch: stopped on a signal after a checkpoint (worker {worker.index} exited "
-          f"first, status {worker.proc.returncode})", file=sys.stderr, flush=True)
+    print(f"launch: stopped on a signal (worker {worker.index} exited first, status "
+          f"{worker.proc.returncode}); the others stopped too", file=sys.stderr, flush=True)
     return worker.proc.returncode
 
 
