@@ -163,7 +163,8 @@ def one_round(fault, reference, folder, max_delay):
         for p in left:
             os.kill(p, signal.SIGKILL)
         process.wait(timeout=30)
-        return "left processes", f"{len(left)} alive 60 s after the fault at {delay:.1f} s: {commands}"
+        return "left processes", (f"{len(left)} alive 60 s after the fault at {delay:.1f} s: "
+                                  f"{commands}")
     resumed, output = run_to_end(prefix, flags, folder)
     if resumed is None:
         return "resume failed", output

@@ -13,7 +13,7 @@ from kdist import checks, errors
 from kdist.cli.flags import add_config_flags, positive
 from kdist.datasets.sizes import FASHION_MNIST_TRAIN
 from kdist.runtime import startup
-from kdist.workers import cluster, interrupt
+from kdist.workers import cluster, interrupt, processes
 
 
 def _usage(parser, error):
@@ -125,7 +125,10 @@ def load_data(args):
 
 
 def log(line):
-    print(line, flush=True)  # Line by line, also into pipes and `tee`.
+    try:
+        print(line, flush=True)  # Line by line, also into pipes and `tee`.
+    except BrokenPipeError:  # Its reader is gone (a killed launcher): the run goes on,
+        processes.silence_output()  # to its agreed stop and checkpoint.
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

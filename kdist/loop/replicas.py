@@ -51,6 +51,7 @@ from kdist.workers.processes import (
     exit_status,
     follow_launcher,
     free_ports,
+    silence_output,
 )
 
 GRACE_SECONDS = 30.0  # For the others to stop once one process has failed.
@@ -268,9 +269,7 @@ class _ParentPipe:
         except OSError:
             self.gone = True
         if self.gone:  # Nothing left to print to: Python's own flush at exit stays quiet.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, 1)
-            os.dup2(devnull, 2)
+            silence_output()
 
 
 def _portable(error):

@@ -226,7 +226,17 @@ def follow_launcher(stop, environ=os.environ, interval=0.5):
     def watch():
         while os.getppid() == int(launcher):
             time.sleep(interval)
+        silence_output()  # The launcher read it; a line to it now would raise.
         stop.request("SIGTERM")
 
     threading.Thread(target=watch, name="kdist-follow-launcher", daemon=True).start()
     return True
+
+
+def silence_output():
+    """Points this process's stdout and stderr at /dev/null: their reader (a killed
+    launcher or parent) is gone, and a write would raise BrokenPipeError."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    os.close(devnull)
