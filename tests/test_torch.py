@@ -22,6 +22,7 @@ from kdist.engines import contract
 from kdist.errors import TrainingError, UsageError
 from kdist.loop import chunks, replicas
 from kdist.workers import cluster
+from kdist.workers.processes import free_ports
 
 pytestmark = pytest.mark.skipif(keras.backend.backend() != "torch",
                                 reason="the torch engine; other backends run in one process")
@@ -263,3 +264,30 @@ def contract_in_a_process(log, stop):
 
 def test_each_process_is_one_replica_and_any_worker_is_agreed():
     assert replicas.run(2, contract_in_a_process, {}) == (2, 1, (0, 2), True, True, False)
+
+
+# Registered before kdist's, this exit hook runs after it (atexit runs last-in first-out).
+LEAVES_AT_EXIT = """
+import atexit, sys
+import torch, torch.distributed as dist
+from kdist.engines import torch as engine
+from kdist.workers import cluster
+from kdist.workers.processes import free_ports
+atexit.register(lambda: print("group at exit:", dist.is_initialized()))
+engine.connect(cluster.ClusterSpec(2, int(sys.argv[1]), (sys.argv[2],), 60.0))
+dist.all_reduce(torch.ones(8))  # Its work object outlives the call in gloo's thread.
+print("joined:", dist.is_initialized())
+"""
+
+
+def test_each_process_leaves_its_group_before_the_interpreter_is_torn_down():
+    """A gloo group left to the teardown can abort the process (std::terminate, status
+    134) as its worker thread frees the last collective's tensors without the GIL."""
+    address = f"127.0.0.1:{free_ports(1)[0]}"
+    processes = [subprocess.Popen([sys.executable, "-c", LEAVES_AT_EXIT, str(rank), address],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for rank in (0, 1)]
+    outputs = [p.communicate(timeout=120)[0] for p in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output
+        assert output.splitlines()[-2:] == ["joined: True", "group at exit: False"], output

@@ -7,6 +7,7 @@ shard of every global batch. `connect` joins a process group (torchrun,
 `--replicas N` on one machine itself.
 """
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -37,7 +38,8 @@ def connect(spec, replicas=None):
     """Joins the process group of `spec`; blocks until every process has joined.
 
     Worker 0's address is the rendezvous (a TCP store it serves). Each
-    process is one replica, so `replicas` must be left out (or be 1).
+    process is one replica, so `replicas` must be left out (or be 1). The
+    group is left at the process's exit (`_leave_group`).
     """
     if replicas not in (None, 1):
         raise UsageError(f"--replicas {replicas}: on torch each worker process is one "
@@ -50,6 +52,19 @@ def connect(spec, replicas=None):
         "nccl" if device.type == "cuda" else "gloo",
         init_method=f"tcp://{spec.coordinator}", rank=spec.worker_index,
         world_size=spec.num_workers, timeout=datetime.timedelta(seconds=spec.connect_timeout))
+    atexit.register(_leave_group)
+
+
+def _leave_group():
+    """Destroys the process group while the interpreter is whole.
+
+    A gloo group left to the interpreter's teardown can end the process in
+    `std::terminate` ("terminate called without an active exception", exit
+    status 134) when the processes exit together. Destroying it is local to
+    this process: no collective, so a process that exits alone does not wait.
+    """
+    if connected():
+        dist.destroy_process_group()
 
 
 def _share_cores():
