@@ -129,3 +129,28 @@ def test_connect_after_the_framework_ran_is_one_clear_error():
     with pytest.raises(kdist.UsageError, match="call kdist.connect\\(\\) first thing"):
         kdist.connect(peers=",".join(f"127.0.0.1:{p}" for p in free_ports(2)),
                       worker_index=0, timeout=30)
+
+
+SIGTERM_AFTER_JOINING = """
+import os, signal, sys, time
+import kdist
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+kdist.connect(peers=sys.argv[1], worker_index=int(sys.argv[2]))
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(1)
+print("SIGTERM reached the script's handler:", bool(got))
+"""
+
+
+def test_sigterm_reaches_the_script_after_joining():
+    """TensorFlow's and JAX's preemption notifiers replace the SIGTERM handler in
+    native code as the workers join; a stop asked in that moment was lost."""
+    peers = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
+    processes = [subprocess.Popen([sys.executable, "-c", SIGTERM_AFTER_JOINING, peers, str(i)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for i in (0, 1)]
+    outputs = [p.communicate(timeout=120)[0] for p in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output
+        assert output.splitlines()[-1] == "SIGTERM reached the script's handler: True", output

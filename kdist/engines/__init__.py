@@ -11,6 +11,7 @@ import keras
 from kdist.engines import contract
 from kdist.errors import UsageError  # noqa: F401 (the engines raise it)
 from kdist.runtime.startup import BACKENDS, check_backend  # noqa: F401 (one registry, in startup)
+from kdist.workers.interrupt import retake_signals
 
 
 def _backend_module():
@@ -48,5 +49,11 @@ def connect(spec, replicas=None):
     set up before the framework runs anything (torch's process group, so
     that every engine starts alike). Engines created afterwards span
     every worker's devices. `replicas` is the device count of this worker.
+
+    Joining starts TensorFlow's or JAX's preemption notifier, which takes
+    SIGTERM over in native code; this process's Python handlers are put back
+    at once (`kdist.workers.interrupt.retake_signals`), so a SIGTERM still
+    reaches kdist's stop (or Python's default, which ends the process).
     """
     _backend_module().connect(spec, replicas)
+    retake_signals()

@@ -12,7 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from kdist.workers.processes import LAUNCHER_VARIABLE, follow_launcher
+from kdist.workers.processes import LAUNCHER_VARIABLE, STOP_SIGNALS, follow_launcher
 
 
 class StopRequest:
@@ -86,6 +86,24 @@ def stop_of_run(stop: object, several_workers: bool) -> Iterator[object]:
     supervised = follow_launcher(own)
     with stop_on_signals(own, escalate=not supervised):
         yield own
+
+
+def retake_signals() -> None:
+    """Points SIGINT, SIGTERM and SIGHUP back at this process's Python handlers.
+
+    A framework's native code can replace a handler behind Python's back:
+    TensorFlow's preemption notifier, started when a
+    `MultiWorkerMirroredStrategy` joins its workers, calls `std::signal(SIGTERM)`
+    with a handler that only sets a flag of its own, so a SIGTERM would never
+    reach kdist's stop. `signal.getsignal` still names the Python handler;
+    setting it again installs it at the C level. Only the main thread can.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in STOP_SIGNALS:
+        handler = signal.getsignal(s)
+        if handler is not None:  # None: not installed from Python; left as it is.
+            signal.signal(s, handler)
 
 
 class AgreedStop:
