@@ -1,5 +1,8 @@
 """Building a compiled model and its step on an engine, as the loop does, for tests."""
 
+import subprocess
+import sys
+
 import keras
 import numpy as np
 
@@ -23,3 +26,15 @@ def prepare(engine, global_batch, model_fn=create_model, optimizer_fn=training.s
                                          learning_rate, train=train, **kwargs)
     engine.compile_steps(step)
     return model, step
+
+
+def two_processes(code, *args):
+    """Runs `python -c code *args INDEX` for INDEX 0 and 1 at once; asserts both exit
+    0 and returns their outputs (stdout and stderr together)."""
+    processes = [subprocess.Popen([sys.executable, "-c", code, *args, str(index)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for index in (0, 1)]
+    outputs = [p.communicate(timeout=120)[0] for p in processes]
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output
+    return outputs

@@ -18,6 +18,7 @@ import sys
 import keras
 import pytest
 from conftest import REPO
+from helpers import two_processes
 from test_multiworker import environment, final_weights, max_difference
 
 import kdist
@@ -147,10 +148,5 @@ def test_sigterm_reaches_the_script_after_joining():
     """TensorFlow's and JAX's preemption notifiers replace the SIGTERM handler in
     native code as the workers join; a stop asked in that moment was lost."""
     peers = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
-    processes = [subprocess.Popen([sys.executable, "-c", SIGTERM_AFTER_JOINING, peers, str(i)],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for i in (0, 1)]
-    outputs = [p.communicate(timeout=120)[0] for p in processes]
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output
+    for output in two_processes(SIGTERM_AFTER_JOINING, peers):
         assert output.splitlines()[-1] == "SIGTERM reached the script's handler: True", output

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import REPO
-from helpers import prepare
+from helpers import prepare, two_processes
 from test_training import checkpoint_arrays
 
 from kdist import checkpoints, engines, tree
@@ -272,9 +272,8 @@ import atexit, sys
 import torch, torch.distributed as dist
 from kdist.engines import torch as engine
 from kdist.workers import cluster
-from kdist.workers.processes import free_ports
 atexit.register(lambda: print("group at exit:", dist.is_initialized()))
-engine.connect(cluster.ClusterSpec(2, int(sys.argv[1]), (sys.argv[2],), 60.0))
+engine.connect(cluster.ClusterSpec(2, int(sys.argv[2]), (sys.argv[1],), 60.0))
 dist.all_reduce(torch.ones(8))  # Its work object outlives the call in gloo's thread.
 print("joined:", dist.is_initialized())
 """
@@ -283,11 +282,5 @@ print("joined:", dist.is_initialized())
 def test_each_process_leaves_its_group_before_the_interpreter_is_torn_down():
     """A gloo group left to the teardown can abort the process (std::terminate, status
     134) as its worker thread frees the last collective's tensors without the GIL."""
-    address = f"127.0.0.1:{free_ports(1)[0]}"
-    processes = [subprocess.Popen([sys.executable, "-c", LEAVES_AT_EXIT, str(rank), address],
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for rank in (0, 1)]
-    outputs = [p.communicate(timeout=120)[0] for p in processes]
-    for process, output in zip(processes, outputs):
-        assert process.returncode == 0, output
+    for output in two_processes(LEAVES_AT_EXIT, f"127.0.0.1:{free_ports(1)[0]}"):
         assert output.splitlines()[-2:] == ["joined: True", "group at exit: False"], output

@@ -91,11 +91,11 @@ def stop_of_run(stop: object, several_workers: bool) -> Iterator[object]:
 def retake_signals() -> None:
     """Points SIGINT, SIGTERM and SIGHUP back at this process's Python handlers.
 
-    A framework's native code can replace a handler behind Python's back:
-    TensorFlow's preemption notifier, started when a
-    `MultiWorkerMirroredStrategy` joins its workers, calls `std::signal(SIGTERM)`
-    with a handler that only sets a flag of its own, so a SIGTERM would never
-    reach kdist's stop. `signal.getsignal` still names the Python handler;
+    A framework's native code can replace a handler behind Python's back: the
+    preemption notifier that TensorFlow's `MultiWorkerMirroredStrategy` and
+    `jax.distributed.initialize` start calls `std::signal(SIGTERM)` with a
+    handler that only sets a flag of its own, so a SIGTERM would never reach
+    kdist's stop. `signal.getsignal` still names the Python handler;
     setting it again installs it at the C level. Only the main thread can.
     """
     if threading.current_thread() is not threading.main_thread():
