@@ -141,21 +141,21 @@ def start_training(tmp_path, *flags):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         [sys.executable, TRAIN, "--synthetic", "--replicas", "2", "--epochs", "3",
-         "--steps-per-epoch", "400", "--checkpoint-dir", str(tmp_path / "ckpt"),
-         "--quiet", *flags],
+         "--steps-per-epoch", "400", "--checkpoint-dir", str(tmp_path / "ckpt"), *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def wait_for_training(process, tmp_path):
-    """Returns the replica processes once the first epoch has started."""
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if os.path.exists(tmp_path / "ckpt") and len(children(process.pid)) >= 2:
-            time.sleep(8)  # Past start-up, into the steps.
-            return [p for p in children(process.pid) if alive(p)]
-        time.sleep(0.5)
+def wait_for_training(process):
+    """Returns the banner's lines and the replica processes once the chief replica
+    has printed the banner's last line: both replicas have joined, and a stop
+    signal from now on ends the first chunk of steps."""
+    banner = []
+    for line in process.stdout:
+        banner.append(line)
+        if line.startswith("Checkpoints: "):
+            return "".join(banner), [p for p in children(process.pid) if alive(p)]
     process.kill()
-    pytest.fail("training did not start: " + process.communicate()[0])
+    pytest.fail("training did not start: " + "".join(banner) + process.communicate()[0])
 
 
 @pytest.mark.parametrize("sig, every_process", [
@@ -165,10 +165,11 @@ def wait_for_training(process, tmp_path):
 ])
 def test_a_stop_signal_checkpoints_and_stops_every_process(tmp_path, sig, every_process):
     process = start_training(tmp_path)
-    replica_pids = wait_for_training(process, tmp_path)
+    banner, replica_pids = wait_for_training(process)
+    assert len(replica_pids) == 2, banner
     for pid in [process.pid] + (replica_pids if every_process else []):
         os.kill(pid, sig)
-    output, _ = process.communicate(timeout=120)
+    output = banner + process.communicate(timeout=120)[0]
     assert process.returncode == 128 + sig, output
     assert output.count("Saved checkpoint") == 1 and sig.name in output, output
     saved = os.listdir(tmp_path / "ckpt")
@@ -178,9 +179,10 @@ def test_a_stop_signal_checkpoints_and_stops_every_process(tmp_path, sig, every_
 
 def test_a_killed_replica_process_ends_the_run_with_an_error(tmp_path):
     process = start_training(tmp_path)
-    replica_pids = wait_for_training(process, tmp_path)
+    banner, replica_pids = wait_for_training(process)
+    assert len(replica_pids) == 2, banner
     os.kill(replica_pids[-1], signal.SIGKILL)
-    output, _ = process.communicate(timeout=120)
+    output = banner + process.communicate(timeout=120)[0]
     assert process.returncode not in (0, 128 + signal.SIGTERM), output
     assert "replica process" in output and "exited with status 137" in output, output
     assert not [p for p in replica_pids if alive(p)]
