@@ -206,48 +206,39 @@ def test_progress_bar_shows_in_a_terminal_and_not_with_quiet(tmp_path):
     assert "\u2501" not in quiet and "Epoch 1/1" in quiet
 
 
-def test_bench_runs_briefly_and_ends_with_its_json_line():
+def test_bench_runs_briefly_and_ends_with_its_json_lines():
+    """One process measures each input kind (a repeated one once) and fit."""
     result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic", "6000",
-                    "--replicas", str(SEVERAL),
-                    "--batch-size-per-replica", "8", "--steps", "3", "--windows", "2")
+                    "--replicas", str(SEVERAL), "--batch-size-per-replica", "8", "--steps", "3",
+                    "--windows", "2", "--input", "pydataset,numpy,pydataset")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert ", model cnn, " in lines[0] and lines[1].startswith("CPU ")  # The CPU's line.
+    assert ", model cnn, " in lines[0] and lines[0].endswith("kdist input pydataset, numpy")
+    assert lines[1].startswith("CPU ")  # The CPU's line.
     assert lines[2].split()[:4] == ["precision", "kdist", "samples/s", "fit"]
-    assert lines[3].split()[0] == "float32"  # One row per --precision; float32 by default.
-    summary = json.loads(lines[-1])
-    for key in ("backend", "replicas", "precision", "kdist_samples_per_sec",
-                "fit_samples_per_sec", "ratio", "first_epoch_seconds", "peak_rss_mb",
-                "cpu_model", "cpu_flags"):
-        assert key in summary
-    assert summary["replicas"] == SEVERAL and summary["kdist_samples_per_sec"] > 0
-    assert (summary["model"], summary["workers"]) == ("cnn", 1)
-    assert summary["cpu_cores"] == len(os.sched_getaffinity(0))
-    assert summary["matmul_gflops_float32"] > 0 and summary["matmul_gflops_bfloat16"] > 0
-    # kdist and fit take turns epoch by epoch: the ratio is the median of the steady
-    # rounds' fit time / kdist time (the JSON rounds epochs to 1 ms), within its spread.
-    pairs = list(zip(summary["fit_epoch_seconds"][1:], summary["epoch_seconds"][1:]))
-    assert len(pairs) == 2 and summary["ratio_spread"][0] <= summary["ratio"] <= \
-        summary["ratio_spread"][1]
-    low = sum((f - 0.0005) / (k + 0.0005) for f, k in pairs) / 2  # The median of two rounds.
-    high = sum((f + 0.0005) / (k - 0.0005) for f, k in pairs) / 2
-    assert low - 0.0005 <= summary["ratio"] <= high + 0.0005
-    assert len(summary["load_average"]) == 3
-
-
-def test_bench_measures_several_input_kinds_in_one_process():
-    result = script(os.path.join(REPO, "scripts", "bench.py"), "--synthetic", "6000", "--no-fit",
-                    "--no-peak", "--batch-size-per-replica", "8", "--steps", "3",
-                    "--windows", "1", "--input", "pydataset,numpy,pydataset")
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
-    assert lines[0].endswith("kdist input pydataset, numpy")
+    # One row per --precision (float32 by default) and input kind.
     assert [line.split()[:2] for line in lines[3:5]] == [["float32", "pydataset"],
                                                          ["float32", "numpy"]]
     summaries = [json.loads(line) for line in lines[-2:]]
     assert [s["input"] for s in summaries] == ["pydataset", "numpy"]
-    assert all(s["kdist_samples_per_sec"] > 0 and s["fit_samples_per_sec"] is None
-               for s in summaries)
+    for summary in summaries:
+        for key in ("backend", "replicas", "precision", "kdist_samples_per_sec",
+                    "fit_samples_per_sec", "ratio", "first_epoch_seconds", "peak_rss_mb",
+                    "cpu_model", "cpu_flags"):
+            assert key in summary
+        assert summary["replicas"] == SEVERAL and summary["kdist_samples_per_sec"] > 0
+        assert (summary["model"], summary["workers"]) == ("cnn", 1)
+        assert summary["cpu_cores"] == len(os.sched_getaffinity(0))
+        assert summary["matmul_gflops_float32"] > 0 and summary["matmul_gflops_bfloat16"] > 0
+        # kdist and fit take turns epoch by epoch: the ratio is the median of the steady
+        # rounds' fit time / kdist time (the JSON rounds epochs to 1 ms), within its spread.
+        pairs = list(zip(summary["fit_epoch_seconds"][1:], summary["epoch_seconds"][1:]))
+        assert len(pairs) == 2 and summary["ratio_spread"][0] <= summary["ratio"] <= \
+            summary["ratio_spread"][1]
+        low = sum((f - 0.0005) / (k + 0.0005) for f, k in pairs) / 2  # The median of two.
+        high = sum((f + 0.0005) / (k - 0.0005) for f, k in pairs) / 2
+        assert low - 0.0005 <= summary["ratio"] <= high + 0.0005
+        assert len(summary["load_average"]) == 3
 
 
 def test_a_second_run_on_the_same_folder_is_refused(tmp_path):

@@ -107,7 +107,10 @@ def one_process(tmp_path_factory):
     return final_weights(folder, 3)
 
 
-@pytest.mark.parametrize("how", ["native", "slurm", "kubernetes"])
+# Every launcher's variables become one `ClusterSpec` (test_cluster.py), and every spec
+# joins an engine the same way: the other launchers run in the any-backend session only.
+@pytest.mark.parametrize("how", ["native", *(pytest.param(how, marks=pytest.mark.any_backend)
+                                             for how in ("slurm", "kubernetes"))])
 def test_your_script_as_two_workers_equals_one_process_with_two_replicas(
         tmp_path, one_process, how):
     folder = str(tmp_path / "ckpt")
