@@ -26,6 +26,11 @@ ANY_BACKEND_SESSION = "tensorflow"  # Runs the tests marked any_backend too.
 TORCH_CPU = "torch==2.13.0"
 # filelock: JAX's compilation cache locks its folder with it (see jax_cache).
 TEST_TOOLS = ["filelock"]
+# Test files run two at a time (pytest-xdist, one file to a worker) in these sessions:
+# most of TensorFlow's in-process tests, and JAX's compiling, keep one core busy, so on
+# 2 cores these sessions take 0.70x and 0.63x the time. torch's tests use both cores
+# already (0.99x). Measurements: docs/log/2026-12-02-suite-time.md.
+TWO_AT_A_TIME = {"tensorflow", "jax"}
 
 
 def jax_cache(session):
@@ -44,7 +49,9 @@ def jax_cache(session):
 def tests(session, backend):
     if backend in ("torch", "both"):
         session.install(TORCH_CPU)
-    session.install("-e", f".[{EXTRAS[backend]},test]", *TEST_TOOLS)
+    parallel = backend in TWO_AT_A_TIME
+    session.install("-e", f".[{EXTRAS[backend]},test]", *TEST_TOOLS,
+                    *(["pytest-xdist"] if parallel else []))
     if backend == "both":
         env = {"KERAS_BACKEND": "jax"}
         args = ["-m", "cross_backend"]
@@ -55,6 +62,8 @@ def tests(session, backend):
         args = ["-m", "not cross_backend" if once else "not cross_backend and not any_backend"]
     if backend in ("jax", "both"):
         env.update(jax_cache(session))
+    if parallel:
+        args += ["-n", "2", "--dist", "loadfile"]
     session.run("pytest", "--durations=15", *args, *session.posargs, env=env)
 
 
