@@ -5,7 +5,8 @@ from keras import ops
 
 
 class MaxPooling2D(keras.layers.MaxPooling2D):
-    """`keras.layers.MaxPooling2D` whose 2x2/stride-2 case is fast on JAX.
+    """`keras.layers.MaxPooling2D` whose 2x2/stride-2 case is fast on JAX, and
+    which pools channels-first on torch (`channels_first`).
 
     XLA:CPU compiles the gradient of `reduce_window` max pooling into a slow
     select-and-scatter. Taking the max of a (B, H/2, 2, W/2, 2, C) reshape
@@ -18,6 +19,9 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
     """
 
     def call(self, inputs):
+        if keras.backend.backend() == "torch" and self.data_format == "channels_last":
+            return channels_first(inputs, lambda x: ops.max_pool(
+                x, self.pool_size, self.strides, self.padding, "channels_first"))
         if (keras.backend.backend() != "jax" or self.pool_size != (2, 2)
                 or self.strides != (2, 2) or self.padding != "valid"
                 or self.data_format != "channels_last"):
@@ -30,7 +34,8 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
 
 
 class Conv2D(keras.layers.Conv2D):
-    """`keras.layers.Conv2D` whose 3x3 valid convolutions run as one matmul on JAX.
+    """`keras.layers.Conv2D` whose 3x3 valid convolutions run as one matmul on JAX,
+    and which convolves channels-first on torch (`channels_first`).
 
     On XLA:CPU a convolution with several input channels is faster as im2col:
     the nine shifted slices of the input concatenated on the channel axis,
@@ -41,6 +46,9 @@ class Conv2D(keras.layers.Conv2D):
     """
 
     def call(self, inputs):
+        if (keras.backend.backend() == "torch" and self.data_format == "channels_last"
+                and self.groups == 1):
+            return channels_first(inputs, self._channels_first_call)
         if (keras.backend.backend() != "jax" or inputs.shape[-1] < 2
                 or self.kernel_size != (3, 3) or self.strides != (1, 1)
                 or self.padding != "valid" or self.dilation_rate != (1, 1)
@@ -55,13 +63,38 @@ class Conv2D(keras.layers.Conv2D):
             outputs = outputs + self.bias
         return self.activation(outputs) if self.activation is not None else outputs
 
+    def _channels_first_call(self, inputs):
+        """Keras' `Conv2D.call` on channels-first `inputs`."""
+        outputs = ops.conv(inputs, self.kernel, strides=list(self.strides),
+                           padding=self.padding, dilation_rate=self.dilation_rate,
+                           data_format="channels_first")
+        if self.use_bias:
+            outputs = outputs + ops.reshape(self.bias, (1, self.filters, 1, 1))
+        return self.activation(outputs) if self.activation is not None else outputs
+
+
+def channels_first(inputs, fn):
+    """`fn` applied to channels-last `inputs` seen channels-first, its result
+    seen channels-last again: on torch both are views (`torch.permute`), no copy.
+
+    Keras' torch backend runs a channels-last convolution or pooling as
+    channels-first on a transposed view and transposes its result back, so
+    the tensor between layers is channels-last in memory: the pooling and
+    the activation's gradient then run on torch's slow strided paths, 1.8x
+    the CNN's step time. These layers keep their results channels-first in
+    memory, so that the next one's view is plain channels-first (measured:
+    docs/performance.md). The weights are Keras' own either way.
+    """
+    return ops.transpose(fn(ops.transpose(inputs, (0, 3, 1, 2))), (0, 2, 3, 1))
+
 
 def create_model(num_classes: int = 10, fast_layers: bool = True) -> keras.Model:
     """Conv2D(32,3,relu)-MaxPool-Conv2D(64,3,relu)-MaxPool-Flatten-Dense(64,relu)-Dense(10).
 
     `fast_layers` False builds it from Keras' stock Conv2D and MaxPooling2D,
-    without the JAX formulations above (`kdist-bench --model cnn-stock`
-    measures what they gain on a CPU); the weights are the same either way.
+    without the formulations above (JAX's; torch's channels-first memory):
+    `kdist-bench --model cnn-stock` measures what they gain on a CPU. The
+    weights are the same either way.
 
     The last layer returns logits; the loss applies the softmax. It computes
     in float32 under every dtype policy (`kdist.precision`): under a mixed
@@ -75,7 +108,7 @@ def create_model(num_classes: int = 10, fast_layers: bool = True) -> keras.Model
     return keras.Sequential(
         [
             keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
+            conv(32, 3, activation="relu"),
             pool(),
             conv(64, 3, activation="relu"),
             pool(),
