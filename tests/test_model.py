@@ -50,8 +50,9 @@ def test_max_pooling_matches_keras(height):
     np.testing.assert_allclose(np.asarray(grads_a[0]), np.asarray(grads_b[0]), atol=1e-6)
 
 
-def test_conv2d_matches_keras_with_the_same_weights():
-    x = np.random.default_rng(0).normal(size=(4, 13, 13, 32)).astype("float32")
+@pytest.mark.parametrize("channels", [32, 1])  # The CNN's second and first layer.
+def test_conv2d_matches_keras_with_the_same_weights(channels):
+    x = np.random.default_rng(0).normal(size=(4, 13, 13, channels)).astype("float32")
     ours = kdist_model.Conv2D(64, 3, activation="relu")
     theirs = keras.layers.Conv2D(64, 3, activation="relu")
     ours.build(x.shape)
@@ -62,14 +63,22 @@ def test_conv2d_matches_keras_with_the_same_weights():
     np.testing.assert_allclose(np.asarray(out_a), np.asarray(out_b), atol=1e-5, rtol=0)
     for a, b in zip(grads_a, grads_b):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-5)
-    assert [w.shape for w in ours.get_weights()] == [(3, 3, 32, 64), (64,)]
+    assert [w.shape for w in ours.get_weights()] == [(3, 3, channels, 64), (64,)]
 
 
 def test_the_stock_cnn_has_keras_layers_where_the_cnn_has_kdists_and_the_same_weights():
     fast, stock = kdist_model.create_model(), kdist_model.create_model(fast_layers=False)
     kinds = [(type(a), type(b)) for a, b in zip(fast.layers, stock.layers)
              if type(a) is not type(b)]
-    assert kinds == [(kdist_model.MaxPooling2D, keras.layers.MaxPooling2D),
-                     (kdist_model.Conv2D, keras.layers.Conv2D),
-                     (kdist_model.MaxPooling2D, keras.layers.MaxPooling2D)]
+    assert kinds == [(kdist_model.Conv2D, keras.layers.Conv2D),
+                     (kdist_model.MaxPooling2D, keras.layers.MaxPooling2D)] * 2
     assert [w.shape for w in fast.get_weights()] == [w.shape for w in stock.get_weights()]
+    # Layers in a row, as in the CNN: on torch each takes the one before's result
+    # (channels-first in memory) as it is.
+    stock.set_weights(fast.get_weights())
+    x = np.random.default_rng(0).uniform(size=(8, 28, 28, 1)).astype("float32")
+    out_a, grads_a = gradients(fast, x)
+    out_b, grads_b = gradients(stock, x)
+    np.testing.assert_allclose(np.asarray(out_a), np.asarray(out_b), atol=1e-5, rtol=0)
+    for a, b in zip(grads_a, grads_b):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-5)
