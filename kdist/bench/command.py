@@ -37,7 +37,7 @@ def main(argv=None):
 def _add_bench_choices(parser):
     parser.add_argument("--model", choices=choices.MODELS, default=choices.MODELS[0],
                         help="the network: the tutorial CNN; the same with Keras' stock "
-                             "Conv2D and MaxPooling2D (cnn-stock: what kdist's JAX layers "
+                             "Conv2D and MaxPooling2D (cnn-stock: what kdist's layers "
                              "gain); ResNet-20 on synthetic 32x32x3 images of 10 classes "
                              "(--data-dir and --synthetic apply to the others only); or "
                              "examples/dcgan.py's GAN against fit with the train step "

@@ -19,10 +19,10 @@ epoch, one row each, with `fit` (which always takes the arrays) once per
 round: the kinds compare in one process, under the same conditions.
 
 `model` picks the network (`MODELS`): the tutorial CNN (also as "cnn-stock",
-with Keras' stock layers in place of `kdist.models.cnn`'s JAX formulations), or
-ResNet-20 (`kdist.models.resnet`) on its own synthetic 32x32x3 data. The header and every
-JSON line also describe the CPU (`kdist.bench.cpuinfo`: model, speed flags,
-visible cores, measured matmul GFLOP/s). Under several workers
+with Keras' stock layers in place of `kdist.models.cnn`'s formulations), or ResNet-20
+(`kdist.models.resnet`) on its own synthetic 32x32x3 data. The header and every JSON
+line also describe the CPU (`kdist.bench.cpuinfo`: model, speed flags, visible cores,
+measured matmul GFLOP/s). Under several workers
 (`kdist.engines.connect` first, as `kdist.cli` does) each worker trains its
 slice of every global batch, `fit` is not measured, and only the chief logs;
 `kdist.bench.workers` uses this to measure the cost of communication.
@@ -51,7 +51,7 @@ from kdist.models.cnn import create_model
 from kdist.precision import DEFAULT_PRECISION, check_precision, policy
 
 # --model's choices (`kdist.choices.MODELS`): name -> the function building it.
-# cnn-stock is the CNN with Keras' own layers, to weigh `kdist.models.cnn`'s JAX formulations.
+# cnn-stock is the CNN with Keras' own layers, to weigh `kdist.models.cnn`'s formulations.
 MODELS = {"cnn": create_model, "cnn-stock": functools.partial(create_model, fast_layers=False),
           "resnet20": resnet.create_resnet20}
 
