@@ -7,7 +7,7 @@ read as kdist reads it) while threads keep the cores busy with matmuls, as a
 training step does, and prints per epoch how long deleting the exhausted
 iterator took on the reading thread, and, for comparison, with
 `autotune.enabled = False`. kdist deletes its iterators on a thread of their
-own (`kdist.inputs.pipelines.numpy_batches`) because this took seconds on a 2-core
+own (`kdist.inputs.tfdata.numpy_batches`) because this took seconds on a 2-core
 CPU (docs/performance.md, "Input pipelines"); this script shows whether a
 TensorFlow release still needs that. Needs TensorFlow.
 """
@@ -25,7 +25,7 @@ with startup.native_logs_silenced():
 
     from kdist.bench import input_kinds
     from kdist.cli.flags import positive
-    from kdist.inputs import pipelines
+    from kdist.inputs import tfdata
 
 
 def keep_busy():
@@ -55,7 +55,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     x, y = rng.random((60000, 28, 28, 1), np.float32), rng.integers(0, 10, 60000)
     source = input_kinds.input_source("tfdata", (x, y, None), 64, "train")
-    dataset = pipelines._for_reading(source.dataset, 64)
+    dataset = tfdata.for_reading(source.dataset, 64)
     no_autotune = tf.data.Options()
     no_autotune.autotune.enabled = False
     for label, read in (("autotune on (the default)", dataset),

@@ -21,7 +21,7 @@ from test_training import StopAfter, checkpoint_arrays, without_timing
 
 from kdist import engines
 from kdist.errors import DataError, UsageError
-from kdist.inputs import base, pipelines, sources
+from kdist.inputs import base, pipelines, sources, tfdata
 from kdist.loop import building, chunks, prefetch, training
 
 needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
@@ -473,13 +473,13 @@ def test_tf_data_is_read_several_global_batches_at_a_time_where_shapes_allow():
 
     x, y = TRAIN  # 400 rows of 8 float32 features.
     batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(10)
-    assert pipelines._read_rows(batched.element_spec, 16) == 16 * pipelines.READ_BATCHES
-    wide = tf.TensorSpec((None, pipelines.READ_BYTES // 4 // 32), tf.float32)
-    assert pipelines._read_rows((wide, wide), 16) == 16  # Capped by READ_BYTES: one batch.
+    assert tfdata.read_rows(batched.element_spec, 16) == 16 * tfdata.READ_BATCHES
+    wide = tf.TensorSpec((None, tfdata.READ_BYTES // 4 // 32), tf.float32)
+    assert tfdata.read_rows((wide, wide), 16) == 16  # Capped by READ_BYTES: one batch.
     ragged = batched.map(lambda a, b: (a[:, :tf.shape(a)[0] % 8 + 1], b))
-    assert pipelines._read_rows(ragged.element_spec, 16) is None  # A dimension not known.
+    assert tfdata.read_rows(ragged.element_spec, 16) is None  # A dimension not known.
     source = sources.source_for(batched, "train")
-    read = list(pipelines.numpy_batches(pipelines._for_reading(batched, 16), "the train data"))
+    read = list(tfdata.numpy_batches(tfdata.for_reading(batched, 16), "the train data"))
     assert [len(b[0]) for b in read] == [128, 128, 128, 16]
     np.testing.assert_array_equal(np.concatenate([b[0] for b in read]), x)
     got = [b for b in source.train(16, seed=0, epoch=0, start_step=3)]
@@ -505,15 +505,15 @@ def test_a_tf_data_iterator_left_mid_epoch_is_deleted_off_the_reading_thread(mon
 
     x, y = TRAIN
     batched = tf.data.Dataset.from_tensor_slices((x, y)).batch(10).prefetch(tf.data.AUTOTUNE)
-    deleted_on, finalizers, hand_over = [], [], pipelines._delete_later
+    deleted_on, finalizers, hand_over = [], [], tfdata.delete_later
 
     def watched(held):  # Records the thread on which the iterator is deleted.
         finalizers.append(weakref.finalize(
             held[0], lambda: deleted_on.append(threading.current_thread().name)))
         hand_over(held)
 
-    monkeypatch.setattr(pipelines, "_delete_later", watched)
-    read = pipelines.numpy_batches(batched, "the train data")
+    monkeypatch.setattr(tfdata, "delete_later", watched)
+    read = tfdata.numpy_batches(batched, "the train data")
     assert len(next(read)[0]) == 10
     read.close()  # As at an epoch's step limit: the rest of the epoch is not read.
     deadline = time.monotonic() + 30

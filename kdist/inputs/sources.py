@@ -16,7 +16,7 @@ import numpy as np
 
 from kdist import tree
 from kdist.errors import UsageError
-from kdist.inputs import arrays, base, grainsource, pipelines, pydatasets, tfrecords
+from kdist.inputs import arrays, base, grainsource, pipelines, pydatasets, tfdata, tfrecords
 from kdist.inputs.arrays import ArraySource
 
 
@@ -50,7 +50,7 @@ def source_for(given: Any, split: str) -> base.Source:
     what = f"the {split} data"
     if isinstance(given, tfrecords.TFRecords):
         return tfrecords.TFRecordSource(given, what)
-    if pipelines.is_tf_dataset(given):
+    if tfdata.is_tf_dataset(given):
         return pipelines.TfDataSource(given, what)
     if pydatasets.is_py_dataset(given):
         return pydatasets.PyDatasetSource(given, what)

@@ -39,7 +39,7 @@ import numpy as np
 
 from kdist import tree
 from kdist.errors import DataError, UsageError
-from kdist.inputs import base, pipelines
+from kdist.inputs import base, tfdata
 
 INDEX = "kdist-records.json"
 READ_BUFFER = 1 << 20  # Bytes read ahead per file.
@@ -210,7 +210,7 @@ class TFRecordSource(base.CheckedSource):
             examples = self._examples(files, [seed, epoch, index if sharded else 0])
             size = global_batch // workers if sharded else global_batch
             batches = self._batches(examples, size, True, start_step, steps - start_step)
-            for step, batch in enumerate(pipelines.numpy_batches(batches, self.what), start_step):
+            for step, batch in enumerate(tfdata.numpy_batches(batches, self.what), start_step):
                 batch, _ = self.check(batch, step)
                 yield batch if sharded else tree.take_rows(
                     batch, base.worker_rows(global_batch, shard))
@@ -221,7 +221,7 @@ class TFRecordSource(base.CheckedSource):
         def slices():
             batches = self._batches(self._examples(self.files), global_batch)
             pairs = (self.check(b, i)
-                     for i, b in enumerate(pipelines.numpy_batches(batches, self.what)))
+                     for i, b in enumerate(tfdata.numpy_batches(batches, self.what)))
             yield from base.eval_slices(pairs, global_batch, shard, self.what)
 
         return base.Stream(slices())
