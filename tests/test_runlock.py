@@ -52,6 +52,26 @@ def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path):
     assert manager.lock.owner == json.loads((tmp_path / runlock.LOCK_NAME).read_text())
 
 
+def test_a_lock_whose_pid_now_runs_another_process_is_taken_over(tmp_path):
+    """The owner was killed and its pid reused (pid_max wraps on a busy machine):
+    the process running under that pid started at another time."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        start = runlock._start_ticks(other.pid)
+        lock = dict(pid=other.pid, host=socket.gethostname(), started=0, process_start=start)
+        (tmp_path / runlock.LOCK_NAME).write_text(json.dumps(lock))
+        with pytest.raises(checkpoints.CheckpointError, match=f"pid {other.pid}"):
+            locked(tmp_path)  # The same process: held.
+        lock["process_start"] = start - 1
+        (tmp_path / runlock.LOCK_NAME).write_text(json.dumps(lock))
+        with pytest.warns(checkpoints.CheckpointWarning,
+                          match=f"took over the lock .* from pid {other.pid} "):
+            locked(tmp_path).release()
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_another_hosts_lock_holds_unless_broken(tmp_path):
     write_lock(tmp_path, dead_pid(), "elsewhere")
     with pytest.raises(checkpoints.CheckpointError, match="on host elsewhere"):

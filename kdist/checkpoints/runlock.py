@@ -2,7 +2,8 @@
 
 The lock is created atomically (O_CREAT | O_EXCL), so of two runs starting
 at once exactly one gets it. A lock whose process is gone (same host, pid no
-longer running) is stale and is taken over. A lock of a live process, or of
+longer running, or running a process that started after the owner did: the
+pid reused) is stale and is taken over. A lock of a live process, or of
 another host (whose processes cannot be checked from here), is broken only
 when the user forces it.
 """
@@ -19,7 +20,18 @@ LOCK_NAME = "kdist.lock"
 
 
 def _owner():
-    return dict(pid=os.getpid(), host=socket.gethostname(), started=time.time())
+    pid = os.getpid()
+    return dict(pid=pid, host=socket.gethostname(), started=time.time(),
+                process_start=_start_ticks(pid))
+
+
+def _start_ticks(pid):
+    """When process `pid` started, in clock ticks since boot (Linux's /proc), or None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(") ", 1)[1].split()[19])  # Field 22, starttime.
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def describe(owner):
@@ -50,9 +62,15 @@ def _alive(pid):
 
 
 def is_stale(owner):
-    """True if `owner` is a process of this host that no longer runs."""
-    return (bool(owner) and owner.get("host") == socket.gethostname()
-            and isinstance(owner.get("pid"), int) and not _alive(owner["pid"]))
+    """True if `owner` is a process of this host that no longer runs: its pid is
+    not running, or runs another process (one that started at another time)."""
+    if not (owner and owner.get("host") == socket.gethostname()
+            and isinstance(owner.get("pid"), int)):
+        return False
+    if not _alive(owner["pid"]):
+        return True
+    recorded, now = owner.get("process_start"), _start_ticks(owner["pid"])
+    return isinstance(recorded, int) and now is not None and now != recorded
 
 
 class RunLock:
