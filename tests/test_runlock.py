@@ -1,9 +1,11 @@
 """One run per checkpoint folder: the lock file, its stale and forced take-overs."""
 
 import json
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +52,20 @@ def test_a_lock_whose_process_is_gone_is_taken_over(tmp_path):
                       match=f"took over the lock .* from pid {pid} .*its process is gone"):
         manager = locked(tmp_path)
     assert manager.lock.owner == json.loads((tmp_path / runlock.LOCK_NAME).read_text())
+
+
+def test_a_lock_of_a_killed_process_not_yet_reaped_is_taken_over(tmp_path):
+    """A run killed under a parent that has not waited for it is a zombie: dead."""
+    zombie = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        zombie.send_signal(signal.SIGKILL)
+        while runlock._stat(zombie.pid)[:1] != ["Z"]:
+            time.sleep(0.01)
+        write_lock(tmp_path, zombie.pid, socket.gethostname())
+        with pytest.warns(checkpoints.CheckpointWarning, match=f"from pid {zombie.pid} "):
+            locked(tmp_path).release()
+    finally:
+        zombie.wait()
 
 
 def test_a_lock_whose_pid_now_runs_another_process_is_taken_over(tmp_path):

@@ -2,8 +2,8 @@
 
 The lock is created atomically (O_CREAT | O_EXCL), so of two runs starting
 at once exactly one gets it. A lock whose process is gone (same host, pid no
-longer running, or running a process that started after the owner did: the
-pid reused) is stale and is taken over. A lock of a live process, or of
+longer running, a zombie, or running a process that started at another time
+than the owner: the pid reused) is stale and is taken over. A lock of a live process, or of
 another host (whose processes cannot be checked from here), is broken only
 when the user forces it.
 """
@@ -27,11 +27,8 @@ def _owner():
 
 def _start_ticks(pid):
     """When process `pid` started, in clock ticks since boot (Linux's /proc), or None."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(") ", 1)[1].split()[19])  # Field 22, starttime.
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = _stat(pid)
+    return int(fields[19]) if len(fields) > 19 else None  # Field 22, starttime.
 
 
 def describe(owner):
@@ -52,13 +49,24 @@ def read_owner(path):
 
 
 def _alive(pid):
+    """Whether `pid` runs: it exists and is not a zombie (dead, not yet reaped by its
+    parent: a run killed under a parent that has not waited for it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # Exists, owned by another user.
         return True
-    return True
+    return _stat(pid)[:1] != ["Z"]
+
+
+def _stat(pid):
+    """The fields of /proc/PID/stat after the command's name (Linux), or []."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].split()
+    except (OSError, IndexError):
+        return []
 
 
 def is_stale(owner):
