@@ -8,6 +8,7 @@ import pytest
 from helpers import SEVERAL
 
 from kdist import checkpoints
+from kdist.inputs.base import Inputs
 from kdist.loop import training
 from kdist.models import losses
 
@@ -77,6 +78,25 @@ def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path, small_dataset):
         training.train_and_evaluate(config(tmp_path, "run"), small_dataset,
                                     loss_fn=exploding_loss, log=lambda line: None)
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+
+
+def test_a_non_finite_loss_inside_a_chunk_is_named_at_its_step(tmp_path, small_dataset):
+    """4 steps to a compiled chunk; only step 3's loss overflows (sample weights of 1e38,
+    finite input): the error names step 3, and no epoch line or checkpoint follows."""
+    x, y = small_dataset.train_x, small_dataset.train_y
+
+    def batches():
+        for i in range(6):
+            weights = np.full(32, 1e38 if i == 2 else 1.0, np.float32)
+            yield x[i * 32:(i + 1) * 32], y[i * 32:(i + 1) * 32], weights
+
+    lines = []
+    with pytest.raises(training.TrainingError, match="non-finite loss at epoch 1, step 3;"):
+        training.train_and_evaluate(
+            config(tmp_path, "run", epochs=1, steps_per_execution=4),
+            Inputs(batches, (small_dataset.test_x, small_dataset.test_y)), log=lines.append)
+    assert not [line for line in lines if "Loss" in line], lines
+    assert [n for n in os.listdir(tmp_path / "run") if n.endswith(".h5")] == []
 
 
 def test_metrics_file_has_one_line_per_epoch_and_the_restored_result(tmp_path, small_dataset):
