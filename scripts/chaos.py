@@ -1,7 +1,8 @@
 """A bounded soak: short runs, each killed at a random point, then resumed and compared.
 
 Each round picks a fault at random, runs a short kdist-train command, injects
-the fault after a random delay, waits (bounded) for every process of the run to
+the fault after a random delay (up to 0.8 of the uninterrupted run's time, which
+varies with the machine's load), waits (bounded) for every process of the run to
 end, runs the same command again to its end, and compares the final checkpoint
 with that of the same command run once without a fault. The faults, on the
 session's backend (`KERAS_BACKEND`):
@@ -197,7 +198,7 @@ def main(argv=None):
                 sys.exit(f"chaos: the uninterrupted run failed:\n{output}")
         rounds += 1
         outcome, detail = one_round(fault, references[key], os.path.join(root, f"round-{rounds}"),
-                                    max_delay=timings[key])
+                                    max_delay=0.8 * timings[key])
         table[(fault[0], outcome)] += 1
         print(f"round {rounds}: {fault[0]}: {outcome} {detail}".rstrip(), flush=True)
     print(f"\n{os.environ.get('KERAS_BACKEND', 'tensorflow')}, {rounds} rounds, "
