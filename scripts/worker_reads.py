@@ -21,7 +21,7 @@ BATCH, GLOBAL_BATCH, FILES = 32, 64, 8
 
 
 def kinds(x, y, folder):
-    """{kind: (a function making the input, the counter it adds to)}."""
+    """({kind: a function making that input}, the one-item list its counter adds to)."""
     import grain
     import keras
     import tensorflow as tf
