@@ -76,7 +76,8 @@ class TrainingError(KdistError, RuntimeError):
 
 
 class Interrupted(KdistError, RuntimeError):
-    """Training stopped on a signal after writing a checkpoint.
+    """Training stopped on a signal, after writing a checkpoint (or before its
+    first step, where there was nothing to write).
 
     `signal_name` is the signal this process received ("SIGTERM", ...), or
     None when another worker's signal stopped every worker.

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+import keras
 import numpy as np
 import pytest
 from conftest import REPO
@@ -219,6 +220,51 @@ def test_killing_the_launcher_stops_its_workers_after_a_checkpoint(tmp_path):
     _, _, _, pids = launch_long_run(tmp_path, kill_launcher)
     assert not [pid for pid in pids if alive(pid)]
     assert os.listdir(tmp_path / "ckpt")  # They stopped on SIGTERM, not on SIGKILL.
+
+
+def joining(pid):
+    """Whether `pid` waits for its peers: it has started the watchdog of its join."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(") ", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                command = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == pid and b"parent, deadline" in command:
+            return True
+    return False
+
+
+# A launcher stops every worker when one fails at start-up; the others may be waiting for
+# it in the join, in native code that runs no Python handler until the join returns.
+@pytest.mark.skipif(keras.backend.backend() == "tensorflow",
+                    reason="TensorFlow's join takes SIGTERM over in native code; the worker "
+                    "ends at --connect-timeout (test_a_worker_without_peers_gives_up...)")
+@pytest.mark.parametrize("index", [0, 1])
+def test_sigterm_ends_a_worker_waiting_for_its_peers_at_once(tmp_path, index):
+    ports = free_ports(2)
+    worker = subprocess.Popen(
+        [sys.executable, TRAIN, "--synthetic", "--checkpoint-dir", str(tmp_path / "ckpt"),
+         "--peers", ",".join(f"127.0.0.1:{p}" for p in ports), "--worker-index", str(index),
+         "--connect-timeout", "100"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment(tmp_path))
+    try:
+        deadline = time.monotonic() + 90
+        while not joining(worker.pid) and worker.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert joining(worker.pid), worker.communicate(timeout=30)[0] if worker.poll() else ""
+        time.sleep(1)  # Well inside the join.
+        signalled = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        output = worker.communicate(timeout=60)[0]
+        assert worker.returncode == -signal.SIGTERM, output
+        assert time.monotonic() - signalled < 10, output
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(timeout=30)
 
 
 @pytest.mark.parametrize("index", [0, 1])

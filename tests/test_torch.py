@@ -19,7 +19,7 @@ from test_training import checkpoint_arrays
 
 from kdist import checkpoints, engines, tree
 from kdist.engines import contract
-from kdist.errors import TrainingError, UsageError
+from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.loop import chunks, replicas
 from kdist.workers import cluster
 from kdist.workers.processes import free_ports
@@ -186,6 +186,23 @@ def test_a_killed_replica_process_ends_the_run_with_an_error(tmp_path):
     assert process.returncode not in (0, 128 + signal.SIGTERM), output
     assert "replica process" in output and "exited with status 137" in output, output
     assert not [p for p in replica_pids if alive(p)]
+
+
+def test_processes_ended_by_a_stop_signal_while_joining_are_an_interruption():
+    # A stop signal ends a process that is joining the others at once (its default
+    # action); one killed otherwise, or at another point, is a failure.
+    def ended_by(signum):
+        process = subprocess.Popen(["sleep", "60"])
+        process.send_signal(signum)
+        process.wait(timeout=30)
+        return process
+
+    with pytest.raises(Interrupted, match="^SIGTERM: stopped while the replica processes were "
+                       "joining") as raised:
+        replicas._outcome([ended_by(signal.SIGTERM), ended_by(signal.SIGTERM)], {})
+    assert raised.value.exit_status == 128 + signal.SIGTERM
+    with pytest.raises(TrainingError, match="replica process 0 exited with status 137"):
+        replicas._outcome([ended_by(signal.SIGKILL), ended_by(signal.SIGTERM)], {})
 
 
 # Not --quiet: the chief has lines for the dead parent. A checkpoint every 100 steps marks

@@ -48,6 +48,7 @@ from kdist.workers.processes import (
     LAUNCHER_VARIABLE,
     LOCAL_PROCESSES_VARIABLE,
     REPLICA_PROCESSES_VARIABLE,
+    STOP_SIGNALS,
     exit_status,
     follow_launcher,
     free_ports,
@@ -65,8 +66,9 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     """`fn(**kwargs, log=..., stop=...)` in `num_replicas` processes, one replica
     each; returns what process 0's call returned.
 
-    Raises, in this order of preference: `TrainingError` naming a process
-    that ended without reporting (killed by a signal, say); the first kdist
+    Raises, in this order of preference: `Interrupted` where a process ended
+    on a stop signal while joining the others; `TrainingError` naming a
+    process that ended without reporting (killed by a signal, say); the first kdist
     error a process reported, else the first other error (the others then
     fail in a collective; that one's traceback is printed); process 0's
     `Interrupted` after a stop.
@@ -176,6 +178,10 @@ def _outcome(processes, reported):
     if not errors and reported.get(0, (None,))[0] == "ok":
         return reported[0][1]
     for rank, process in enumerate(processes):
+        if rank not in reported and process.poll() in _STOPPED_JOINING:
+            name = signal.Signals(-process.poll()).name  # Its default action, while joining.
+            raise Interrupted(f"{name}: stopped while the replica processes were joining, "
+                              "before the first step", name)
         if rank not in reported and process.poll() is not None:
             raise TrainingError(f"replica process {rank} exited with status "
                                 f"{exit_status(process.poll())} without a result; "
@@ -189,6 +195,11 @@ def _outcome(processes, reported):
         raise _raised(dict(errors).get(0, errors[0][1]))
     raise TrainingError(f"the replica processes gave no result within {GRACE_SECONDS:g} s "
                         "of a failure; stopped them")
+
+
+# How a replica process ends on a stop signal while it joins the others
+# (`cluster.connect_deadline`); elsewhere its handler stops it with a result.
+_STOPPED_JOINING = tuple(-s for s in STOP_SIGNALS)
 
 
 def _terminate(processes, signal_name=None):

@@ -29,7 +29,7 @@ import subprocess
 import sys
 
 from kdist.errors import UsageError
-from kdist.workers import slurm
+from kdist.workers import interrupt, slurm
 
 KDIST_VARIABLES = ("KDIST_PEERS", "KDIST_WORKERS", "KDIST_WORKER_INDEX")  # As the flags.
 JAX_VARIABLES = ("KERAS_DISTRIBUTION_JOB_ADDRESSES", "KERAS_DISTRIBUTION_NUM_PROCESSES",
@@ -206,6 +206,15 @@ def connect_deadline(spec):
     JAX aborts with a C++ stack trace after its own timeout. So a small
     watchdog process prints the error and kills the worker (exit status 137);
     it is stopped as soon as the block ends.
+
+    For the same reason, SIGINT, SIGTERM and SIGHUP end the process at once
+    within the block (`interrupt.signals_end_the_process`): a launcher that
+    stops the workers while one waits for a peer that is gone gets no answer
+    from a Python handler. This holds on torch and JAX. TensorFlow's join
+    takes SIGTERM over in native code before it waits (its preemption
+    notifier), so there a worker waiting for a peer that is gone ends at
+    the timeout, by the watchdog, or by the launcher's SIGKILL after its
+    grace period.
     """
     others = ", ".join(a for i, a in enumerate(spec.addresses) if i != spec.worker_index)
     message = (f"error: worker {spec.worker_index} of {spec.num_workers} could not reach its "
@@ -216,7 +225,8 @@ def connect_deadline(spec):
         [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(spec.connect_timeout), message],
         stdin=subprocess.DEVNULL)
     try:
-        yield
+        with interrupt.signals_end_the_process():
+            yield
     finally:
         watchdog.kill()
         watchdog.wait(timeout=30)

@@ -106,6 +106,34 @@ def retake_signals() -> None:
             signal.signal(s, handler)
 
 
+@contextlib.contextmanager
+def signals_end_the_process() -> Iterator[None]:
+    """Gives SIGINT, SIGTERM and SIGHUP their default action, ending the process,
+    for the block; the handlers are put back after it.
+
+    For a block that waits in native code, where no Python handler runs: the
+    join of the workers (`kdist.workers.cluster.connect_deadline`). A handler
+    would run only once the join returns, and a join whose peer is gone returns
+    at the connect timeout, so the launcher's stop would wait for its grace
+    period. Nothing is trained yet, so ending at once loses nothing. A signal
+    set to be ignored (`nohup`) stays ignored, and one whose handler was not
+    set from Python is left as it is. Only the main thread can set handlers;
+    elsewhere the block runs unchanged.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    changed = {s: h for s, h in previous.items() if h not in (None, signal.SIG_IGN)}
+    for s in changed:
+        signal.signal(s, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for s, h in changed.items():
+            signal.signal(s, h)
+
+
 class AgreedStop:
     """A stop request that every worker acts on after the same step.
 
