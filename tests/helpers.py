@@ -38,3 +38,18 @@ def two_processes(code, *args):
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output
     return outputs
+
+
+def children(pid, mark):
+    """The processes that `pid`'s main thread started whose command line holds `mark`."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        pids = [int(p) for p in f.read().split()]
+    found = []
+    for child in pids:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if mark.encode() in f.read():
+                    found.append(child)
+        except FileNotFoundError:
+            pass
+    return found

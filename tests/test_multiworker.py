@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import REPO
+from helpers import children
 from test_training import checkpoint_arrays
 
 from kdist import checkpoints
@@ -224,17 +225,7 @@ def test_killing_the_launcher_stops_its_workers_after_a_checkpoint(tmp_path):
 
 def joining(pid):
     """Whether `pid` waits for its peers: it has started the watchdog of its join."""
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                parent = int(f.read().rsplit(") ", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                command = f.read()
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == pid and b"parent, deadline" in command:
-            return True
-    return False
+    return bool(children(pid, "parent, deadline"))
 
 
 # A launcher stops every worker when one fails at start-up; the others may be waiting for

@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 from conftest import REPO
-from helpers import prepare, two_processes
+from helpers import children, prepare, two_processes
 from test_training import checkpoint_arrays
 
 from kdist import checkpoints, engines, tree
@@ -114,21 +114,6 @@ def test_torchrun_variables_describe_the_process_group():
                                    backend="torch")
 
 
-def children(pid):
-    """The replica processes `pid` started (`kdist.loop.replicas`)."""
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        pids = [int(p) for p in f.read().split()]
-    found = []
-    for child in pids:
-        try:
-            with open(f"/proc/{child}/cmdline") as f:
-                if "replica_main" in f.read():
-                    found.append(child)
-        except FileNotFoundError:
-            pass
-    return found
-
-
 def alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -153,7 +138,7 @@ def wait_for_training(process):
     for line in process.stdout:
         banner.append(line)
         if line.startswith("Checkpoints: "):
-            return "".join(banner), [p for p in children(process.pid) if alive(p)]
+            return "".join(banner), [p for p in children(process.pid, "replica_main") if alive(p)]
     process.kill()
     pytest.fail("training did not start: " + "".join(banner) + process.communicate()[0])
 
@@ -230,7 +215,7 @@ def kill_parent_when(process, when):
     the epoch's line (its checkpoint comes next); returns the replica processes."""
     deadline = time.monotonic() + 120
     if when == "start-up":
-        while len(children(process.pid)) < 2 and time.monotonic() < deadline:
+        while len(children(process.pid, "replica_main")) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
     else:
         mark = "Saved checkpoint" if when == "mid-epoch" else "Epoch 1/1"
@@ -240,7 +225,7 @@ def kill_parent_when(process, when):
             if mark in line or time.monotonic() > deadline:
                 break
         assert mark in seen[-1], "".join(seen)
-    pids = children(process.pid)
+    pids = children(process.pid, "replica_main")
     os.kill(process.pid, signal.SIGKILL)
     return pids
 

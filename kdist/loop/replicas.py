@@ -59,6 +59,9 @@ GRACE_SECONDS = 30.0  # For the others to stop once one process has failed.
 # What one replica process holds before its data: Python, Keras and the framework
 # (torch 2.13 on a CPU: about 0.5 GB resident), with room for a model and its batches.
 PROCESS_GB = 0.75
+# How a replica process ends on a stop signal while it joins the others
+# (`cluster.connect_deadline`); elsewhere its handler stops it with a result.
+_STOPPED_JOINING = tuple(-s for s in STOP_SIGNALS)
 _CHILD = "from kdist.loop.replicas import replica_main; replica_main()"
 
 
@@ -195,11 +198,6 @@ def _outcome(processes, reported):
         raise _raised(dict(errors).get(0, errors[0][1]))
     raise TrainingError(f"the replica processes gave no result within {GRACE_SECONDS:g} s "
                         "of a failure; stopped them")
-
-
-# How a replica process ends on a stop signal while it joins the others
-# (`cluster.connect_deadline`); elsewhere its handler stops it with a result.
-_STOPPED_JOINING = tuple(-s for s in STOP_SIGNALS)
 
 
 def _terminate(processes, signal_name=None):
