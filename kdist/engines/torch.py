@@ -40,6 +40,13 @@ def connect(spec, replicas=None):
     Worker 0's address is the rendezvous (a TCP store it serves). Each
     process is one replica, so `replicas` must be left out (or be 1). The
     group is left at the process's exit (`_leave_group`).
+
+    Gloo's `init_process_group` can return in one process while another
+    still completes its connections; a process that then failed at once (a
+    checkpoint folder in use, say) would end the other's join in a C++ error
+    printed beside kdist's one line. So `connect` returns only once every
+    process has joined: a barrier, which every process enters after its own
+    `init_process_group` has returned.
     """
     if replicas not in (None, 1):
         raise UsageError(f"--replicas {replicas}: on torch each worker process is one "
@@ -53,6 +60,7 @@ def connect(spec, replicas=None):
         init_method=f"tcp://{spec.coordinator}", rank=spec.worker_index,
         world_size=spec.num_workers, timeout=datetime.timedelta(seconds=spec.connect_timeout))
     atexit.register(_leave_group)
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def _leave_group():
