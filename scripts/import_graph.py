@@ -25,7 +25,7 @@ import sys
 # each name's module on first use, so importing it costs a layer nothing.
 LAYERS = (
     ("kdist", "kdist.errors", "kdist.tree", "kdist.records", "kdist.precision",
-     "kdist.checks", "kdist.config", "kdist.datasets.sizes"),
+     "kdist.checks", "kdist.config", "kdist.hints", "kdist.datasets.sizes"),
     ("kdist.runtime",),
     ("kdist.workers", "kdist.checkpoints", "kdist.step", "kdist.random"),
     ("kdist.inputs", "kdist.datasets", "kdist.models"),

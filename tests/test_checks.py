@@ -39,4 +39,4 @@ def test_steps_per_execution_is_capped_at_the_epoch_and_the_eval_batches(
     # 3 train steps, then 1,001 test examples in 31 batches of 32 (2 replicas x 16)
     # and a tail of 9, twice: the epoch's evaluation and the restored model's.
     assert stacked == [3, 31, 31]
-    assert "; --steps-per-execution 40 capped at 3, the steps of an epoch" in lines[0]
+    assert "; steps_per_execution=40 capped at 3, the steps of an epoch" in lines[0]

@@ -1,6 +1,7 @@
 """One source for settings and errors: flags from TrainConfig, one error base, one exit table."""
 
 import dataclasses
+import inspect
 import os
 import subprocess
 import sys
@@ -55,7 +56,9 @@ def test_optimizer_choices_and_other_defaults_come_from_one_place():
     assert tuple(action.choices) == tuple(kdist.OPTIMIZERS) and action.default == "adam"
     assert training.OPTIMIZERS is kdist.OPTIMIZERS and training.adam is kdist.OPTIMIZERS["adam"]
     batch, spe = kdist.TrainConfig.batch_size_per_replica, kdist.TrainConfig.steps_per_execution
-    assert evaluation.evaluate_checkpoint.__defaults__[-2:] == (batch, spe)
+    parameters = inspect.signature(evaluation.evaluate_checkpoint).parameters
+    assert (parameters["batch_size"].default, parameters["steps_per_execution"].default) == (
+        batch, spe)
     from kdist.bench import measure
 
     assert measure.run.__defaults__[1:] == (batch, None, choices.WINDOWS, spe, print)

@@ -95,7 +95,7 @@ def test_nothing_found_and_no_download_names_the_three_ways(tmp_path, monkeypatc
     with pytest.raises(DataError) as error:
         fashion_mnist.load_fashion_mnist()
     message = str(error.value)
-    assert "--data-dir" in message and str(tmp_path / "keras") in message
+    assert "Pass data_dir (a folder" in message and str(tmp_path / "keras") in message
     assert "apt-get install dataset-fashion-mnist" in message
 
 

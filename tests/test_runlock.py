@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kdist import checkpoints
+from kdist import checkpoints, hints
 from kdist.checkpoints import runlock
 
 # Nothing here depends on the backend (the checkpoint folder's lock file): one session runs it.
@@ -92,10 +92,14 @@ def test_another_hosts_lock_holds_unless_broken(tmp_path):
     write_lock(tmp_path, dead_pid(), "elsewhere")
     with pytest.raises(checkpoints.CheckpointError, match="on host elsewhere"):
         locked(tmp_path)
-    with pytest.warns(checkpoints.CheckpointWarning, match="forced by --break-lock"):
+    with pytest.warns(checkpoints.CheckpointWarning, match="forced by break_lock=True"):
         manager = locked(tmp_path, break_lock=True)
     manager.release()
     assert not (tmp_path / runlock.LOCK_NAME).exists()
+    write_lock(tmp_path, dead_pid(), "elsewhere")
+    with hints.command_line(), pytest.warns(checkpoints.CheckpointWarning,
+                                            match="forced by --break-lock"):
+        locked(tmp_path, break_lock=True).release()
 
 
 def test_release_leaves_a_lock_that_another_run_took(tmp_path):

@@ -33,6 +33,7 @@ import shutil
 import tempfile
 import warnings
 
+from kdist import hints
 from kdist.checkpoints import ckptfile, runlock
 from kdist.config import TrainConfig
 from kdist.errors import CheckpointError
@@ -122,8 +123,8 @@ class CheckpointManager:
             raise CheckpointError(f"cannot lock checkpoint folder {self.directory}: "
                                   f"{e.strerror or e}") from None
         if replaced is not None:
-            why = "forced by --break-lock" if force and not runlock.is_stale(replaced) \
-                else "its process is gone"
+            forced = force and not runlock.is_stale(replaced)
+            why = f"forced by {hints.name('--break-lock')}" if forced else "its process is gone"
             _warn(f"took over the lock of {self.directory} from "
                   f"{runlock.describe(replaced)} ({why})")
 

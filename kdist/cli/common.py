@@ -9,7 +9,7 @@ import sys
 import warnings
 
 import kdist
-from kdist import checks, errors
+from kdist import checks, errors, hints
 from kdist.cli.flags import add_config_flags, positive
 from kdist.datasets.sizes import FASHION_MNIST_TRAIN
 from kdist.runtime import startup
@@ -41,7 +41,8 @@ def run(parser, argv, body, failures=()):
     ends as `EXIT_STATUSES` says."""
     args = parser.parse_args(argv)
     try:
-        return body(args)
+        with hints.command_line():  # Messages name this command's flags.
+            return body(args)
     except (errors.KdistError, *failures) as error:
         handler = next((h for kind, h in EXIT_STATUSES if isinstance(error, kind)), _failed)
         return handler(parser, error)

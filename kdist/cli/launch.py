@@ -56,9 +56,11 @@ def main(argv=None):
     if args.workers < 1:
         parser().error(f"--workers must be at least 1, got {args.workers}")
     flags = train_args if not train_args or train_args[0].startswith("-") else []
-    if any(a.split("=")[0] in ("--peers", "--worker-index", "--workers") for a in flags):
+    given = [f for f in ("--peers", "--workers", "--worker-index")
+             if any(a.split("=")[0] == f for a in flags)]
+    if given:
         parser().error("the launcher tells each worker its peers and index itself; drop "
-                       "--peers, --workers and --worker-index")
+                       f"{' and '.join(given)} after --")
     workers = start(args.workers, train_args)
 
     def on_signal(signum, frame):  # Like Ctrl-C: every worker checkpoints and stops.

@@ -7,6 +7,7 @@ import struct
 
 import numpy as np
 
+from kdist import hints
 from kdist.datasets.sizes import FASHION_MNIST_TRAIN
 from kdist.datasets.synthetic import synthetic_images
 from kdist.errors import DataError, UsageError
@@ -111,6 +112,7 @@ def _normalise(arrays: dict[str, np.ndarray], source: str) -> Dataset:
     )
 
 
+@hints.library_terms
 def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
     """Finds Fashion-MNIST offline first, and downloads it only as a last resort.
 
@@ -132,7 +134,7 @@ def load_fashion_mnist(data_dir: str | None = None) -> Dataset:
         (xtr, ytr), (xte, yte) = keras.datasets.fashion_mnist.load_data()
     except Exception as e:  # Any failure here means: no data available.
         raise DataError(
-            "Fashion-MNIST not found. Pass --data-dir DIR (a folder with the four "
+            "Fashion-MNIST not found. Pass --data-dir (a folder with the four "
             f"IDX .gz files), or put them in {keras_cache_dir()}, or install the "
             "Debian package: apt-get install dataset-fashion-mnist "
             f"(download also failed: {type(e).__name__}: {e})"

@@ -3,7 +3,7 @@
 
 import keras
 
-from kdist import engines
+from kdist import engines, hints
 from kdist.errors import UsageError
 from kdist.workers import cluster
 
@@ -12,6 +12,7 @@ _TOO_LATE = ("this process ran {framework} before joining the other workers ({er
              "models or tensors")
 
 
+@hints.library_terms
 def connect(*, peers: str | None = None, workers: int | None = None,
             worker_index: int | None = None, timeout: float = 120.0,
             replicas: int | None = None) -> cluster.ClusterSpec:

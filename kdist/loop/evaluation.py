@@ -6,7 +6,7 @@ from typing import Any
 
 import keras
 
-from kdist import checkpoints, engines
+from kdist import checkpoints, engines, hints
 from kdist.config import TrainConfig
 from kdist.errors import UsageError
 from kdist.inputs import arrays, base, sources
@@ -16,6 +16,7 @@ from kdist.loop.result import TrainingResult
 from kdist.models.cnn import create_model
 
 
+@hints.library_terms
 def evaluate_checkpoint(
         path: str, dataset: arrays.Dataset | base.Inputs,
         model_fn: Callable[[], keras.Model] = create_model,

@@ -12,7 +12,8 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
 - it joins a process group on a free loopback port (the engine's
   `connect`), runs the function with the same arguments and sends its
   outcome back through a pipe; the chief's log lines go to the caller's
-  `log` as they come;
+  `log` as they come; its messages name settings as the caller's do (flags
+  under a command, keywords in a script: `kdist.hints`);
 - a stop request in the parent (`stop`, a signal, Ctrl-C) becomes the same
   signal (SIGTERM for a stop no signal asked for) to every process: they
   agree on a step, the chief checkpoints, and the parent raises the chief's
@@ -26,6 +27,7 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
 An input that cannot be pickled (a tf.data pipeline) is refused with one line.
 """
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -40,6 +42,7 @@ from multiprocessing import connection
 
 import cloudpickle
 
+from kdist import hints
 from kdist.errors import Interrupted, KdistError, TrainingError, UsageError
 from kdist.runtime import startup
 from kdist.workers import cluster, interrupt
@@ -62,6 +65,7 @@ PROCESS_GB = 0.75
 # How a replica process ends on a stop signal while it joins the others
 # (`cluster.connect_deadline`); elsewhere its handler stops it with a result.
 _STOPPED_JOINING = tuple(-s for s in STOP_SIGNALS)
+_SLOW_START = "this machine may lack the memory or CPU time to start every replica process"
 _CHILD = "from kdist.loop.replicas import replica_main; replica_main()"
 
 
@@ -130,7 +134,8 @@ def _start(spec, payload):
         env.pop(name, None)  # This group is described by `spec` alone.
     process = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(spec.num_workers), str(spec.worker_index),
-         spec.coordinator, str(spec.connect_timeout), payload, str(write)],
+         spec.coordinator, str(spec.connect_timeout), payload, str(write),
+         "flags" if hints.on_command_line() else "keywords"],
         stdin=subprocess.DEVNULL, pass_fds=(write,), env=env, start_new_session=True)
     os.close(write)
     return process, connection.Connection(read, writable=False)
@@ -217,7 +222,7 @@ def _kill(processes):
 
 def replica_main():
     """The entry point of one replica process (`python -c`, started by `run`)."""
-    workers, rank, address, timeout, payload, fd = sys.argv[1:7]
+    workers, rank, address, timeout, payload, fd, terms = sys.argv[1:8]
     spec = cluster.ClusterSpec(int(workers), int(rank), (address,), float(timeout),
                                source=f"{workers} local replica processes")
     stop = interrupt.StopRequest()
@@ -230,7 +235,8 @@ def replica_main():
             pipe.send(("log", line))
 
     try:
-        with interrupt.stop_on_signals(stop, escalate=False):  # `run` ends it if need be.
+        with interrupt.stop_on_signals(stop, escalate=False), (  # `run` ends it if need be.
+                hints.command_line() if terms == "flags" else contextlib.nullcontext()):
             # Start-up notices hidden as in the parent, whose
             # `startup.prepare_environment` sets TF_CPP_MIN_LOG_LEVEL unless --verbose.
             startup.load_frameworks(quiet="TF_CPP_MIN_LOG_LEVEL" in os.environ)
@@ -240,7 +246,7 @@ def replica_main():
                 fn, kwargs = pickle.load(f)
             from kdist import engines  # Loads Keras and the backend.
 
-            with cluster.connect_deadline(spec):
+            with cluster.connect_deadline(spec, remedy=_SLOW_START):
                 engines.connect(spec)
             result = fn(**kwargs, log=log, stop=stop)
         pipe.send(("ok", result if chief else None))

@@ -16,7 +16,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from kdist import checks, engines
+from kdist import checks, engines, hints
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.engines import joining
 from kdist.errors import Interrupted, TrainingError  # noqa: F401 (importable here)
@@ -30,6 +30,7 @@ from kdist.workers import interrupt
 from kdist.workers.processes import REPLICA_PROCESSES_VARIABLE
 
 
+@hints.library_terms
 def train_and_evaluate(
         config: TrainConfig, dataset: arrays.Dataset | base.Inputs,
         model_fn: Callable[[], keras.Model] = create_model,

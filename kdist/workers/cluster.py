@@ -28,6 +28,7 @@ import os
 import subprocess
 import sys
 
+from kdist import hints
 from kdist.errors import UsageError
 from kdist.workers import interrupt, slurm
 
@@ -197,8 +198,9 @@ os.kill(parent, 9)
 
 
 @contextlib.contextmanager
-def connect_deadline(spec):
-    """Ends this process with a one-line error if the block outlasts the timeout.
+def connect_deadline(spec, remedy=None):
+    """Ends this process with a one-line error if the block outlasts the timeout;
+    the line ends in `remedy` (default: the addresses, the ports, the timeout).
 
     Connecting blocks in native code that Python cannot interrupt: TF's
     MultiWorkerMirroredStrategy waits for every worker forever, holding the
@@ -217,10 +219,11 @@ def connect_deadline(spec):
     grace period.
     """
     others = ", ".join(a for i, a in enumerate(spec.addresses) if i != spec.worker_index)
+    remedy = remedy or ("start every worker with the same addresses, check that the ports "
+                        f"are open, or raise {hints.name('--connect-timeout')}")
     message = (f"error: worker {spec.worker_index} of {spec.num_workers} could not reach its "
-               f"peers ({others or spec.coordinator}) within {spec.connect_timeout:g} s; start "
-               "every worker with the same addresses, check that the ports are open, or "
-               "raise --connect-timeout")
+               f"peers ({others or spec.coordinator}) within {spec.connect_timeout:g} s; "
+               f"{remedy}")
     watchdog = subprocess.Popen(
         [sys.executable, "-c", _WATCHDOG, str(os.getpid()), str(spec.connect_timeout), message],
         stdin=subprocess.DEVNULL)
