@@ -100,3 +100,16 @@ def test_file_sharding_of_a_pipeline_that_reads_no_files_is_one_data_error():
                                         r"no files TensorFlow can shard \(it starts from "
                                         r"TensorSliceDataset\)"):
         list(source.train(16, seed=0, epoch=0, shard=(0, 2)))
+
+
+def test_fewer_files_than_workers_is_one_data_error_on_each_worker(files):
+    """One file for 2 workers: TensorFlow refuses worker 0 (an InvalidArgumentError) and
+    gives worker 1 nothing."""
+    with pytest.raises(DataError, match=r"^the train data asks to be sharded by file but has "
+                                        r"1 file\(s\) for 2 workers, and a worker reads whole "
+                                        r"files; split it .* whole pipeline$"):
+        epoch_read(worker_source(files[:1]), 0, (0, 2))
+    with pytest.raises(DataError, match=r"^the train data gave this worker no examples: its "
+                                        r"share is empty \(sharded by file, split the data "
+                                        r"into at least as many files as workers\)$"):
+        epoch_read(worker_source(files[:1]), 0, (1, 2))

@@ -332,22 +332,26 @@ def train_slices(global_batches, global_batch, start_step, limit, shard, what):
     if step == 0:
         raise DataError(f"{what} is empty" if not short else
                         f"{what} holds {short} examples, fewer than one global batch of "
-                        f"{global_batch}; lower batch_size_per_replica")
+                        f"{global_batch}; lower --batch-size-per-replica")
 
 
 def local_batches(pairs, local, start_step, limit, what):
     """A worker's own share, read by it alone: full batches of `local` rows (its rows
     of each global batch), from `start_step` up to `limit`; DataError if a pass from
-    the start has not one."""
-    step = start_step
+    the start has not one, naming an empty share as such."""
+    step, read = start_step, False
     for batch, rows in cut(pairs, local):
+        read = True
         if (limit is not None and step >= limit) or rows < local:
             break
         yield batch
         step += 1
+    if step == 0 and not read:
+        raise DataError(f"{what} gave this worker no examples: its share is empty (sharded "
+                        "by file, split the data into at least as many files as workers)")
     if step == 0:
         raise DataError(f"{what} yielded fewer than {local} examples, this worker's rows "
-                        "of one global batch; lower batch_size_per_replica")
+                        "of one global batch; lower --batch-size-per-replica")
 
 
 def eval_slices(global_batches, global_batch, shard, what):

@@ -10,6 +10,7 @@ leaves the pipeline whole, and the source keeps each worker's rows of every
 global batch (`kdist.inputs.pipelines`).
 """
 
+import re
 import sys
 import threading
 
@@ -51,8 +52,9 @@ def read_rows(spec, global_batch):
 
 def numpy_batches(dataset, what):
     """An iterator over a tf.data.Dataset's elements as NumPy arrays. An element
-    whose parts hold different numbers of rows (which `rebatch` finds) ends the
-    read with one DataError.
+    whose parts hold different numbers of rows (which `rebatch` finds), or a
+    share of fewer files than workers (`file_share`), ends the read with one
+    DataError.
 
     When the read ends (run out, or dropped at an epoch's step limit), the
     tf.data iterator is deleted on a thread of its own (`delete_later`)."""
@@ -62,8 +64,15 @@ def numpy_batches(dataset, what):
     try:
         yield from held[0]
     except Exception as error:  # Not GeneratorExit: a generator closed at exit has no tf.errors.
-        if not (isinstance(error, tf.errors.InvalidArgumentError)
-                and "same batch size in each component" in str(error)):
+        if not isinstance(error, tf.errors.InvalidArgumentError):
+            raise
+        files = re.search(r"only has (\d+) file\(s\).* (\d+) shards/workers", str(error))
+        if files:
+            raise DataError(f"{what} asks to be sharded by file but has {files[1]} file(s) "
+                            f"for {files[2]} workers, and a worker reads whole files; split "
+                            "it into at least as many files as workers, or leave the policy "
+                            "at AUTO, with which every worker reads the whole pipeline") from None
+        if "same batch size in each component" not in str(error):
             raise
         detail = str(error).split("}}")[-1].strip().splitlines()[0]
         raise DataError(f"{what}: a batch holds arrays of different lengths ({detail}); x, y "

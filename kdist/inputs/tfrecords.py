@@ -203,7 +203,7 @@ class TFRecordSource(base.CheckedSource):
         if not steps:
             raise DataError(f"{self.what} holds too few examples for one global batch of "
                             f"{global_batch} ({self.size()} in {len(self.files)} files for "
-                            f"{workers} workers); lower batch_size_per_replica")
+                            f"{workers} workers); lower --batch-size-per-replica")
 
         def slices():
             files = self.files[index::workers] if sharded else self.files
