@@ -26,6 +26,29 @@ def test_the_models_are_the_flags_choices():
     assert action.default == "cnn"
 
 
+def test_cnn_weights_has_the_cnns_gradients_each_of_one_value():
+    """Its gradient all-reduce moves the CNN's tensors (same shapes, same order), and
+    every weight moves the logits alike: each gradient holds one value."""
+    from keras.ops import convert_to_numpy
+
+    from kdist.bench import weights_only
+    from kdist.models.cnn import create_model
+
+    model = weights_only.create_weights_only()
+    images = np.random.default_rng(0).random((4, 28, 28, 1), np.float32)
+    before = convert_to_numpy(model(images))
+    assert [tuple(w.shape) for w in model.trainable_weights] == [
+        tuple(w.shape) for w in create_model().trainable_weights]
+    for variable, index in [(model.trainable_weights[0], (0, 0, 0, 5)),
+                            (model.trainable_weights[-1], (9,))]:
+        value = convert_to_numpy(variable).copy()
+        value[index] += 1.0
+        variable.assign(value)
+        after = convert_to_numpy(model(images))
+        np.testing.assert_allclose(after - before, 1e-3, rtol=1e-2)
+        before = after
+
+
 def test_resnet20_gets_its_own_data_and_the_flags(monkeypatch):
     calls = []
     monkeypatch.setattr(measure, "run", lambda dataset, *args, **kwargs: calls.append(

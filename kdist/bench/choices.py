@@ -5,4 +5,4 @@ WINDOWS = 4  # Steady epochs `kdist.bench.measure` times after the first.
 INPUTS = ("numpy", "tfdata", "pydataset", "grain")
 # --model's choices, in `kdist.bench.measure.MODELS`' order (then dcgan, which
 # `kdist.bench.gan` measures); the first is the default.
-MODELS = ("cnn", "cnn-stock", "resnet20", "dcgan")
+MODELS = ("cnn", "cnn-stock", "cnn-weights", "resnet20", "dcgan")

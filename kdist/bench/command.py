@@ -38,7 +38,9 @@ def _add_bench_choices(parser):
     parser.add_argument("--model", choices=choices.MODELS, default=choices.MODELS[0],
                         help="the network: the tutorial CNN; the same with Keras' stock "
                              "Conv2D and MaxPooling2D (cnn-stock: what kdist's layers "
-                             "gain); ResNet-20 on synthetic 32x32x3 images of 10 classes "
+                             "gain); its weights with next to no arithmetic (cnn-weights: "
+                             "what is left of a step is the loop, the gradients' all-reduce "
+                             "and the update); ResNet-20 on synthetic 32x32x3 images of 10 classes "
                              "(--data-dir and --synthetic apply to the others only); or "
                              "examples/dcgan.py's GAN against fit with the train step "
                              "Keras' guide writes for this backend (default: %(default)s)")

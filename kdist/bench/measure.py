@@ -38,7 +38,7 @@ import time
 import keras
 
 from kdist import engines
-from kdist.bench import choices, cpuinfo
+from kdist.bench import choices, cpuinfo, weights_only
 from kdist.bench.input_kinds import input_source
 from kdist.config import DEFAULT_LEARNING_RATE, TrainConfig, adam
 from kdist.errors import UsageError
@@ -51,9 +51,10 @@ from kdist.models.cnn import create_model
 from kdist.precision import DEFAULT_PRECISION, check_precision, policy
 
 # --model's choices (`kdist.choices.MODELS`): name -> the function building it.
-# cnn-stock is the CNN with Keras' own layers, to weigh `kdist.models.cnn`'s formulations.
+# cnn-stock is the CNN with Keras' own layers, to weigh `kdist.models.cnn`'s formulations;
+# cnn-weights its weights with next to no arithmetic (`kdist.bench.weights_only`).
 MODELS = {"cnn": create_model, "cnn-stock": functools.partial(create_model, fast_layers=False),
-          "resnet20": resnet.create_resnet20}
+          "cnn-weights": weights_only.create_weights_only, "resnet20": resnet.create_resnet20}
 
 
 def peak_rss_mb():
