@@ -1,0 +1,102 @@
+"""Plain JAX, no kdist: what a cross-process gradient all-reduce costs a CNN step on CPUs.
+
+    python scripts/jax_gloo_check.py [--steps 100]
+
+Two processes, one CPU device each, each pinned to its own core, joined by
+`jax.distributed` with gloo's collectives (as kdist's JAX workers are). A
+step is a small CNN's gradient (two convolutions, two max-poolings, a dense
+layer) on 64 images per process and an SGD update; the global batch is
+sharded over the processes, so XLA all-reduces the gradient. The same step
+runs joined but on each process's own device (no collective), and alone
+(not joined); a step with next to no arithmetic gives the all-reduce's own
+latency. Prints ms per step, process 0's, for each.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+MODES = ("all-reduce", "joined, no collective", "alone", "all-reduce, no arithmetic")
+
+
+def loss(params, x):
+    import jax
+    import jax.numpy as jnp
+
+    def conv(a, w):
+        return jax.nn.relu(jax.lax.conv_general_dilated(
+            a, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+
+    def pool(a):
+        return jax.lax.reduce_window(a, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1),
+                                     "VALID")
+
+    a = pool(conv(pool(conv(x, params[0])), params[1]))
+    return jnp.mean((a.reshape(a.shape[0], -1) @ params[2]) ** 2)
+
+
+def light_loss(params, x):
+    import jax.numpy as jnp
+
+    return sum(jnp.sum(w) for w in params) * jnp.mean(x)
+
+
+def process(index, port, mode, steps):
+    """One process's run; prints its ms per step."""
+    os.sched_setaffinity(0, {index % os.cpu_count()})
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if mode != "alone":
+        jax.distributed.initialize(f"127.0.0.1:{port}", 2, index)
+    rng = np.random.default_rng(0)
+    params = tuple(rng.normal(size=s).astype(np.float32) * 0.1
+                   for s in ((3, 3, 1, 32), (3, 3, 32, 64), (1600, 64)))
+    local = rng.normal(size=(64, 28, 28, 1)).astype(np.float32)
+    if mode in ("all-reduce", "all-reduce, no arithmetic"):
+        mesh = Mesh(np.array(jax.devices()), ("batch",))
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+        x = jax.make_array_from_process_local_data(
+            NamedSharding(mesh, PartitionSpec("batch")), local)
+    else:
+        params, x = jax.device_put((params, local), jax.local_devices()[0])
+    grad = jax.grad(light_loss if mode == "all-reduce, no arithmetic" else loss)
+    step = jax.jit(lambda p, x: jax.tree.map(lambda w, g: w - 1e-6 * g, p, grad(p, x)))
+    for _ in range(5):
+        params = step(params, x)
+    jax.block_until_ready(params)
+    start = time.perf_counter()
+    for _ in range(steps):
+        params = step(params, x)
+    jax.block_until_ready(params)
+    if index == 0:
+        print(f"{mode}: {(time.perf_counter() - start) * 1000 / steps:.2f} ms per step",
+              flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        index, port, mode = args.child
+        return process(int(index), port, mode, args.steps)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from kdist.workers.processes import free_ports
+
+    for mode in MODES:
+        port = str(free_ports(1)[0])
+        children = [subprocess.Popen([sys.executable, __file__, "--steps", str(args.steps),
+                                      "--child", str(i), port, mode]) for i in (0, 1)]
+        for child in children:
+            child.wait(timeout=600)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
