@@ -27,8 +27,8 @@ from kdist.errors import KdistError
 
 _ON_COMMAND_LINE = contextvars.ContextVar("kdist_on_command_line", default=False)
 
-# Flags whose keyword is not their name with underscores: switches set a field to a value,
-# and the join's timeout is an argument of `kdist.connect`.
+# Flags whose keyword is not their name with underscores, besides the switches
+# (`_switches`): the join's timeout is an argument of `kdist.connect`.
 _KEYWORDS = {"--connect-timeout": "kdist.connect's timeout"}
 # A flag, with the number that follows it, if any ("--replicas 4" -> "replicas=4"). Not
 # part of a longer word: "XLA_FLAGS=--xla_force_host_platform_device_count" stays.
@@ -52,6 +52,7 @@ def on_command_line() -> bool:
     return _ON_COMMAND_LINE.get()
 
 
+@functools.cache
 def _switches() -> dict[str, str]:
     """The flags that set a boolean `TrainConfig` field, as `field=value`."""
     return {config.flag_name(f): f"{f.name}={not f.default}"
