@@ -21,6 +21,7 @@ from kdist import checkpoints, engines, tree
 from kdist.engines import contract
 from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.loop import chunks, replicas
+from kdist.runtime import memory
 from kdist.workers import cluster
 from kdist.workers.processes import free_ports
 
@@ -268,6 +269,38 @@ def contract_in_a_process(log, stop):
 
 def test_each_process_is_one_replica_and_any_worker_is_agreed():
     assert replicas.run(2, contract_in_a_process, {}) == (2, 1, (0, 2), True, True, False)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("parent_keeps", [True, False])
+def test_replica_processes_keep_freed_memory_as_their_parent(monkeypatch, parent_keeps):
+    # Eager torch frees and allocates its activations every step; on glibc's
+    # defaults a process can fault them in again each time (kdist.runtime.memory).
+    monkeypatch.delenv("KDIST_KEEP_FREED_MEMORY", raising=False)
+    monkeypatch.setattr(memory, "_kept", parent_keeps)
+
+    def heap_settings(log, stop):  # Defined here, sent by value: no import of conftest.
+        """In each process: whether it keeps freed memory (`kdist.runtime.memory`), and
+        what a freed 48 MiB block left: bytes mapped for it, bytes the heap holds after."""
+        import ctypes
+
+        class MallInfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in (
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                "keepcost".split())]
+
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+        mallinfo2.restype = MallInfo2
+        mapped_before = mallinfo2().hblkhd
+        block = np.ones((48 << 20) // 4, np.float32)
+        mapped = mallinfo2().hblkhd - mapped_before
+        del block
+        return memory.keeping_freed_memory(), mapped, mallinfo2().arena
+
+    keeps, mapped, held = replicas.run(2, heap_settings, {})
+    assert keeps == parent_keeps
+    if parent_keeps:  # (glibc's defaults may do the same or not, by the heap's history.)
+        assert mapped == 0 and held >= 48 << 20  # From the heap, and kept there.
 
 
 # Registered before kdist's, this exit hook runs after it (atexit runs last-in first-out).

@@ -13,7 +13,10 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   `connect`), runs the function with the same arguments and sends its
   outcome back through a pipe; the chief's log lines go to the caller's
   `log` as they come; its messages name settings as the caller's do (flags
-  under a command, keywords in a script: `kdist.hints`);
+  under a command, keywords in a script: `kdist.hints`); it keeps freed
+  memory for reuse where the caller does (`kdist.runtime.memory`, set by
+  `prepare_environment`): eager torch would otherwise fault its
+  activations in again every step;
 - a stop request in the parent (`stop`, a signal, Ctrl-C) becomes the same
   signal (SIGTERM for a stop no signal asked for) to every process: they
   agree on a step, the chief checkpoints, and the parent raises the chief's
@@ -44,7 +47,7 @@ import cloudpickle
 
 from kdist import hints
 from kdist.errors import Interrupted, KdistError, TrainingError, UsageError
-from kdist.runtime import startup
+from kdist.runtime import memory, startup
 from kdist.workers import cluster, interrupt
 from kdist.workers.processes import (
     CLUSTER_VARIABLES,
@@ -135,7 +138,8 @@ def _start(spec, payload):
     process = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(spec.num_workers), str(spec.worker_index),
          spec.coordinator, str(spec.connect_timeout), payload, str(write),
-         "flags" if hints.on_command_line() else "keywords"],
+         "flags" if hints.on_command_line() else "keywords",
+         "keep" if memory.keeping_freed_memory() else "default"],
         stdin=subprocess.DEVNULL, pass_fds=(write,), env=env, start_new_session=True)
     os.close(write)
     return process, connection.Connection(read, writable=False)
@@ -222,7 +226,9 @@ def _kill(processes):
 
 def replica_main():
     """The entry point of one replica process (`python -c`, started by `run`)."""
-    workers, rank, address, timeout, payload, fd, terms = sys.argv[1:8]
+    workers, rank, address, timeout, payload, fd, terms, heap = sys.argv[1:9]
+    if heap == "keep":
+        memory.keep_freed_memory()
     spec = cluster.ClusterSpec(int(workers), int(rank), (address,), float(timeout),
                                source=f"{workers} local replica processes")
     stop = interrupt.StopRequest()

@@ -10,6 +10,7 @@ import os
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt, <malloc.h>.
 KEPT_BLOCK_BYTES = 64 << 20
+_kept = False  # Whether `keep_freed_memory` took effect in this process.
 
 
 def keep_freed_memory():
@@ -27,18 +28,29 @@ def keep_freed_memory():
     grows in heaps of at most 64 MiB: a scratch block that does not fit the
     current heap gets a new one, which glibc unmaps as soon as it is empty,
     whatever the trim threshold. A 64 MiB top pad keeps such a heap.
-    (docs/performance.md has the measurements.)
+    Eager torch frees and allocates its activations every step: without
+    these settings glibc hands a freed block of several MiB back to the
+    kernel and faults it in again at the next step (thousands of page faults
+    per step for the tutorial CNN). (docs/performance.md has the measurements.)
 
     Returns whether it took effect: on a C library without `mallopt` (macOS,
     musl) nothing changes. `KDIST_KEEP_FREED_MEMORY=0` keeps the C library's
     defaults.
     """
+    global _kept
     mallopt = libc_function("mallopt")
     if os.environ.get("KDIST_KEEP_FREED_MEMORY") == "0" or mallopt is None:
         return False
-    return all([mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
-                mallopt(_M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
-                mallopt(_M_TOP_PAD, KEPT_BLOCK_BYTES) == 1])
+    _kept = all([mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
+                 mallopt(_M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
+                 mallopt(_M_TOP_PAD, KEPT_BLOCK_BYTES) == 1])
+    return _kept
+
+
+def keeping_freed_memory():
+    """Whether `keep_freed_memory` took effect in this process (the replica
+    processes of `kdist.loop.replicas` then call it too)."""
+    return _kept
 
 
 def release_freed_memory():
