@@ -141,8 +141,27 @@ def multiclass_classifier():
     return model
 
 
+class LogsTopTwoOnly(keras.Model):
+    """A model whose `compute_metrics` returns only some of the results it updates."""
+
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        results = super().compute_metrics(x, y, y_pred, sample_weight)
+        return {"loss": results["loss"], "top2": results["top2"]}
+
+
+def top_two_only_classifier():
+    plain = regularized_classifier()
+    model = LogsTopTwoOnly(plain.inputs, plain.outputs)
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy",
+                           keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")])
+    return model
+
+
 @pytest.mark.parametrize("replicas", REPLICAS)
-@pytest.mark.parametrize("model_fn", [binary_classifier, multiclass_classifier])
+@pytest.mark.parametrize("model_fn", [binary_classifier, multiclass_classifier,
+                                      top_two_only_classifier])
 def test_test_metrics_equal_keras_evaluate_on_an_uneven_test_set(replicas, model_fn):
     x, y = classification_data(BATCH * 3, seed=1)
     test_x, test_y = classification_data(1001, seed=2)  # 1,001: no global batch divides it.
@@ -153,7 +172,7 @@ def test_test_metrics_equal_keras_evaluate_on_an_uneven_test_set(replicas, model
     reference = on_keras(model_fn, model.get_weights())
     expected = reference.evaluate(test_x, test_y, batch_size=BATCH, verbose=0,
                                   return_dict=True)
-    assert set(results) == set(expected)
+    assert set(results) == set(expected)  # What compute_metrics returns, as in fit's logs.
     for name, value in expected.items():
         assert results[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
     if model_fn is binary_classifier:  # AUC as Keras computes it over all the data at once.

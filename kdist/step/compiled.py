@@ -3,7 +3,8 @@
 It is what `fit` computes: the compiled loss (or your own, `compute_loss=fn`),
 the model's losses (regularizers, `add_loss`), the compiled metrics, the
 optimizer's loss scaling (`optimizer.scale_loss`, as `fit` applies it: a
-`LossScaleOptimizer` under mixed_float16, or `loss_scale_factor`), and, in
+`LossScaleOptimizer` under mixed_float16, or `loss_scale_factor`), the results
+`model.compute_metrics` returns (its override, if the model has one), and, in
 evaluation, the optimizer's moving averages of the weights if it keeps them
 (`kdist.step.optimizer.ema_variables`), as `fit` leaves the model at its end.
 `kdist.step.program.Program` runs these two functions for such a model as
@@ -40,8 +41,7 @@ def train_step(model, data, compute_loss=None):
 
     (_, loss, y_pred), grads = api.value_and_grad(loss_fn, model.trainable_variables)
     optimizer.apply(grads, model.trainable_variables)
-    model.compute_metrics(x, y, y_pred, weight)
-    return {"loss": loss, **_results(model)}
+    return _logs(model, loss, model.compute_metrics(x, y, y_pred, weight))
 
 
 def test_step(model, data, compute_loss=None):
@@ -52,8 +52,7 @@ def test_step(model, data, compute_loss=None):
     with (substituted(list(zip(trainable, [a.value for a in averages])))
           if averages is not None else contextlib.nullcontext()):
         loss, y_pred = _loss(model, x, y, weight, False, compute_loss)
-    model.compute_metrics(x, y, y_pred, weight)
-    return {"loss": loss, **_results(model)}
+    return _logs(model, loss, model.compute_metrics(x, y, y_pred, weight))
 
 
 def _loss(model, x, y, weight, training, compute_loss):
@@ -70,13 +69,13 @@ def _loss(model, x, y, weight, training, compute_loss):
     return data_sum / rows + _total(model.losses), y_pred
 
 
-def _results(model):
-    """The compiled metrics' results by name, as `fit` logs them."""
-    results = {}
-    for metric in reported_metrics(model):
-        value = metric.result()
-        results.update(value if isinstance(value, dict) else {metric.name: value})
-    return results
+def _logs(model, loss, results):
+    """What `fit` logs for a step: the results `model.compute_metrics` returns (the
+    model's own override, if it has one), the loss first and kdist's own: Keras'
+    loss tracker, whose result they include, counts only in Keras' own step."""
+    tracker = getattr(model, "_loss_tracker", None)
+    return {"loss": loss, **{name: value for name, value in (results or {}).items()
+                             if tracker is None or name != tracker.name}}
 
 
 def _total(losses):
