@@ -57,6 +57,8 @@ def test_conv2d_matches_keras_with_the_same_weights(channels):
     theirs = keras.layers.Conv2D(64, 3, activation="relu")
     ours.build(x.shape)
     theirs.build(x.shape)
+    kernel, bias = ours.get_weights()
+    ours.set_weights([kernel, np.random.default_rng(1).normal(size=bias.shape)])  # Not zeros.
     theirs.set_weights(ours.get_weights())
     out_a, grads_a = gradients(ours, x)
     out_b, grads_b = gradients(theirs, x)
