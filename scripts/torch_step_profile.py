@@ -12,6 +12,10 @@ wall time, which no operator accounts for (Python: Keras' layers and optimizer, 
 step, autograd's bookkeeping). Last, kdist's round under cProfile: the functions' own time
 by where their code lives (cProfile slows Python code more than operators: compare the
 shares within that table only).
+
+The process starts as kdist's commands start theirs (`kdist.prepare_environment`): glibc
+keeps freed blocks for reuse, for plain PyTorch as for kdist (on glibc's defaults both
+fault their activations in again each step: docs/log/2026-12-03-torch-heap.md).
 """
 
 import argparse
@@ -22,6 +26,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kdist.runtime import startup  # noqa: E402
+
+startup.prepare_environment()  # Before Keras loads: kdist-bench's memory settings.
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -78,7 +86,7 @@ def plain_steps(batches):
             loss = loss_fn(model(x), y)
             loss.backward()
             optimizer.step()
-        float(loss)
+        float(loss.detach())
 
     return run
 
