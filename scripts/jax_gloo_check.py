@@ -9,7 +9,10 @@ layer) on 64 images per process and an SGD update; the global batch is
 sharded over the processes, so XLA all-reduces the gradient. The same step
 runs joined but on each process's own device (no collective), and alone
 (not joined); a step with next to no arithmetic gives the all-reduce's own
-latency. Prints ms per step, process 0's, for each.
+latency. Under `shard_map` the same per-process gradient runs on the
+processes' mesh with its mean taken explicitly (`pmean`) or not at all: the
+one program, with and without its collective. Prints ms per step, process 0's,
+for each.
 """
 
 import argparse
@@ -20,7 +23,8 @@ import time
 
 import numpy as np
 
-MODES = ("all-reduce", "joined, no collective", "alone", "all-reduce, no arithmetic")
+MODES = ("all-reduce", "joined, no collective", "alone", "all-reduce, no arithmetic",
+         "shard_map, pmean", "shard_map, no collective")
 
 
 def loss(params, x):
@@ -45,6 +49,22 @@ def light_loss(params, x):
     return sum(jnp.sum(w) for w in params) * jnp.mean(x)
 
 
+def shard_mapped(mesh, grad, mean):
+    """Each process's SGD step on its own shard, the gradient averaged over the
+    processes (`mean`) or not (each process then keeps its own parameters)."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    def per_shard(params, x):
+        grads = grad(params, x)
+        if mean:
+            grads = jax.lax.pmean(grads, "batch")
+        return jax.tree.map(lambda w, g: w - 1e-6 * g, params, grads)
+
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(PartitionSpec(), PartitionSpec("batch")),
+                         out_specs=PartitionSpec(), check_vma=False)
+
+
 def process(index, port, mode, steps):
     """One process's run; prints its ms per step."""
     os.sched_setaffinity(0, {index % os.cpu_count()})
@@ -58,7 +78,7 @@ def process(index, port, mode, steps):
     params = tuple(rng.normal(size=s).astype(np.float32) * 0.1
                    for s in ((3, 3, 1, 32), (3, 3, 32, 64), (1600, 64)))
     local = rng.normal(size=(64, 28, 28, 1)).astype(np.float32)
-    if mode in ("all-reduce", "all-reduce, no arithmetic"):
+    if mode != "alone" and mode != "joined, no collective":
         mesh = Mesh(np.array(jax.devices()), ("batch",))
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
         x = jax.make_array_from_process_local_data(
@@ -67,6 +87,8 @@ def process(index, port, mode, steps):
         params, x = jax.device_put((params, local), jax.local_devices()[0])
     grad = jax.grad(light_loss if mode == "all-reduce, no arithmetic" else loss)
     step = jax.jit(lambda p, x: jax.tree.map(lambda w, g: w - 1e-6 * g, p, grad(p, x)))
+    if mode.startswith("shard_map"):
+        step = jax.jit(shard_mapped(mesh, grad, mode == "shard_map, pmean"))
     for _ in range(5):
         params = step(params, x)
     jax.block_until_ready(params)
