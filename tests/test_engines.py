@@ -4,15 +4,21 @@ Each engine class declares the contract's Protocol as its base, so mypy (`nox -s
 lint`) checks every engine's method signatures against it, installed or not.
 """
 
+import os
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
+from conftest import REPO
 from helpers import prepare
 
 from kdist import engines
 from kdist.engines import contract
 from kdist.inputs import arrays
 from kdist.loop import chunks, training
+from kdist.workers.processes import free_ports
 
 # In one process: 2 replicas where the engine runs them in-process (tests/test_torch.py
 # runs torch's, one process each, through the same contract).
@@ -51,3 +57,48 @@ def test_every_contract_method_is_the_engines_own():
     methods = [name for name, value in vars(contract.Engine).items()
                if callable(value) and not name.startswith("_")]
     assert methods and [name for name in methods if name not in vars(engine_class)] == []
+
+
+# A fresh process joins a one-worker cluster, as a worker kdist-launch starts with
+# KDIST_LOCAL_PROCESSES set, and prints its engine's thread counts (intra-op, inter-op).
+THREADS_AFTER_JOINING = """
+import sys
+sys.path.insert(0, {repo!r})
+import keras
+from kdist import engines
+from kdist.workers import cluster
+engines.connect(cluster.ClusterSpec(1, 0, ("127.0.0.1:{port}",), 60.0, source="test"))
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+    print(tf.config.threading.get_intra_op_parallelism_threads(),
+          tf.config.threading.get_inter_op_parallelism_threads())
+else:
+    import torch
+    print(torch.get_num_threads(), torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(keras.backend.backend() == "jax",
+                    reason="the JAX engine leaves XLA's threads as they are: a worker with one "
+                           "thread was no faster (docs/log/2026-12-03-workers.md)")
+@pytest.mark.parametrize("local", [2, None])
+def test_workers_sharing_a_machine_share_its_cores(local):
+    # Two TensorFlow workers on 2 cores, each with a thread per core: 1.10x [1.09-1.24]
+    # with one thread each (docs/performance.md).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("KDIST_LOCAL_PROCESSES", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS",
+                        "TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "TF_CONFIG")}
+    if local:
+        env["KDIST_LOCAL_PROCESSES"] = str(local)
+    script = THREADS_AFTER_JOINING.format(repo=REPO, port=free_ports(1)[0])
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    threads = [int(word) for word in result.stdout.split()[-2:]]
+    cores = len(os.sched_getaffinity(0))
+    if local:
+        assert threads == [max(1, cores // local)] * 2
+    elif keras.backend.backend() == "tensorflow":
+        assert threads == [0, 0]  # TensorFlow's own choice, as before kdist.
+    else:
+        assert threads == [cores, cores]

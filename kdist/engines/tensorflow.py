@@ -12,6 +12,7 @@ from kdist.engines import contract, tf_optimizer
 from kdist.errors import UsageError
 from kdist.runtime.startup import split_tensorflow_cpu
 from kdist.step.context import current_scope, loss_of, substituted
+from kdist.workers import processes
 
 
 def _replica_devices(replicas):
@@ -40,9 +41,11 @@ def connect(spec, replicas=None):
     TensorFlow requires this strategy before any other op. Flags become
     `TF_CONFIG`, which the strategy reads. On CPUs the collectives use RING
     (gRPC); each worker then has one replica, its CPU. On GPUs each worker
-    uses all its GPUs.
+    uses all its GPUs. Workers that share a machine share its cores
+    (`_share_cores`).
     """
     global _connected
+    _share_cores()
     if spec.source != "TF_CONFIG":
         os.environ["TF_CONFIG"] = spec.tf_config()
     on_cpu = not tf.config.list_physical_devices("GPU")
@@ -56,6 +59,24 @@ def connect(spec, replicas=None):
                          f"worker uses all its GPUs, or one CPU ({local} here); "
                          "leave --replicas out")
     _connected = (strategy, spec)
+
+
+def _share_cores():
+    """Splits this machine's cores between the training processes on it.
+
+    Each TensorFlow process sizes its thread pools to every core it may run on;
+    two workers on one machine then run twice as many threads as cores, and
+    each waits longer in every step's all-reduce for the other
+    (docs/performance.md). The count of processes comes from kdist's launchers
+    (`kdist.workers.processes.cores_per_process`); `TF_NUM_INTRAOP_THREADS` or
+    `TF_NUM_INTEROP_THREADS`, if set, are left to TensorFlow.
+    """
+    if (processes.local_processes() == 1 or os.environ.get("TF_NUM_INTRAOP_THREADS")
+            or os.environ.get("TF_NUM_INTEROP_THREADS")):
+        return
+    cores = processes.cores_per_process()
+    tf.config.threading.set_intra_op_parallelism_threads(cores)
+    tf.config.threading.set_inter_op_parallelism_threads(cores)
 
 
 def connected():

@@ -20,7 +20,7 @@ from kdist.engines import contract
 from kdist.errors import ReplicaPerProcess, UsageError
 from kdist.step.context import current_scope, loss_of
 from kdist.tree import map_arrays as _map_arrays
-from kdist.workers.processes import LOCAL_PROCESSES_VARIABLE
+from kdist.workers import processes
 
 # The loop starts one process per replica for this engine (`kdist.loop.replicas`).
 PROCESS_PER_REPLICA = True
@@ -82,14 +82,13 @@ def _share_cores():
     processes per machine the threads then outnumber the cores and torch's
     OpenMP threads, which spin while they wait for each other, slow every
     step several times over. The count of processes comes from kdist's
-    launchers (`KDIST_LOCAL_PROCESSES`) or torchrun (`LOCAL_WORLD_SIZE`); an
+    launchers (`KDIST_LOCAL_PROCESSES`) or torchrun (`LOCAL_WORLD_SIZE`:
+    `kdist.workers.processes.cores_per_process`); an
     `OMP_NUM_THREADS` that is set (torchrun sets 1) is left as it is.
     """
     if os.environ.get("OMP_NUM_THREADS"):
         return
-    local = (os.environ.get(LOCAL_PROCESSES_VARIABLE)
-             or os.environ.get("LOCAL_WORLD_SIZE") or "1")
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // int(local)))
+    torch.set_num_threads(processes.cores_per_process())
 
 
 def connected():

@@ -32,8 +32,8 @@ STOPPED_STATUSES = tuple(128 + s for s in STOP_SIGNALS)
 
 LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to follow.
 
-# Tells a worker how many training processes share this machine (the torch engine
-# splits the cores between them).
+# Tells a worker how many training processes share this machine (the engines split
+# the cores between them: `cores_per_process`).
 LOCAL_PROCESSES_VARIABLE = "KDIST_LOCAL_PROCESSES"
 
 # Set in the processes `kdist.loop.replicas` starts: they are one machine's replicas, not
@@ -119,6 +119,19 @@ def stop_all(workers, grace):
 def exit_status(returncode):
     """The shell's convention: a process killed by signal N exits 128 + N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def local_processes():
+    """How many training processes share this machine: kdist's launchers say it
+    (`KDIST_LOCAL_PROCESSES`), torchrun too (`LOCAL_WORLD_SIZE`); else 1."""
+    return int(os.environ.get(LOCAL_PROCESSES_VARIABLE)
+               or os.environ.get("LOCAL_WORLD_SIZE") or "1")
+
+
+def cores_per_process():
+    """This process's share of the cores it may run on, split evenly between the
+    training processes on this machine (at least 1)."""
+    return max(1, len(os.sched_getaffinity(0)) // local_processes())
 
 
 def worker_command(args):
