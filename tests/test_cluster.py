@@ -9,7 +9,7 @@ import pytest
 from kdist.cli import launch
 from kdist.cli import train as train_cli
 from kdist.runtime.startup import UsageError
-from kdist.workers import cluster, slurm
+from kdist.workers import cluster, processes, slurm
 from kdist.workers.processes import TRAIN, free_ports, worker_command
 
 # Nothing here depends on the backend (which workers take part: flags and environment
@@ -173,3 +173,28 @@ def test_tensorflow_needs_srun_to_lay_tasks_out_node_by_node():
 ])
 def test_the_launcher_runs_kdist_train_a_script_or_a_command(args, command):
     assert worker_command(args) == command
+
+
+LOCAL_COUNTS = ("KDIST_LOCAL_PROCESSES", "LOCAL_WORLD_SIZE")
+
+
+@pytest.mark.parametrize("environ, count", [
+    ({}, 1), ({"LOCAL_WORLD_SIZE": "2"}, 2),
+    ({"KDIST_LOCAL_PROCESSES": "3", "LOCAL_WORLD_SIZE": "2"}, 3)])
+def test_the_local_process_count_is_kdists_then_torchruns(monkeypatch, environ, count):
+    for name in LOCAL_COUNTS:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert processes.local_processes() == count
+
+
+@pytest.mark.parametrize("name, value", [("KDIST_LOCAL_PROCESSES", "0"),
+                                         ("KDIST_LOCAL_PROCESSES", "two"),
+                                         ("LOCAL_WORLD_SIZE", "-1")])
+def test_a_bad_local_process_count_is_one_usage_error(monkeypatch, name, value):
+    for other in LOCAL_COUNTS:
+        monkeypatch.delenv(other, raising=False)
+    monkeypatch.setenv(name, value)
+    with pytest.raises(UsageError, match=f"^{name}={value!r}: .*positive integer"):
+        processes.local_processes()

@@ -13,6 +13,8 @@ import sys
 import threading
 import time
 
+from kdist.errors import UsageError
+
 # The training command, kdist-train's `kdist.cli.train.main`, run by kdist/__main__.py.
 TRAIN = [sys.executable, "-m", "kdist"]
 
@@ -123,9 +125,16 @@ def exit_status(returncode):
 
 def local_processes():
     """How many training processes share this machine: kdist's launchers say it
-    (`KDIST_LOCAL_PROCESSES`), torchrun too (`LOCAL_WORLD_SIZE`); else 1."""
-    return int(os.environ.get(LOCAL_PROCESSES_VARIABLE)
-               or os.environ.get("LOCAL_WORLD_SIZE") or "1")
+    (`KDIST_LOCAL_PROCESSES`), torchrun too (`LOCAL_WORLD_SIZE`); else 1. A value
+    that is no positive integer is a `UsageError`."""
+    for name in (LOCAL_PROCESSES_VARIABLE, "LOCAL_WORLD_SIZE"):
+        value = os.environ.get(name, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise UsageError(f"{name}={value!r}: set it to the count of training "
+                                 "processes on this machine (a positive integer), or unset it")
+            return int(value)
+    return 1
 
 
 def cores_per_process():
