@@ -78,7 +78,7 @@ def process(index, port, mode, steps):
     params = tuple(rng.normal(size=s).astype(np.float32) * 0.1
                    for s in ((3, 3, 1, 32), (3, 3, 32, 64), (1600, 64)))
     local = rng.normal(size=(64, 28, 28, 1)).astype(np.float32)
-    if mode != "alone" and mode != "joined, no collective":
+    if mode not in ("alone", "joined, no collective"):
         mesh = Mesh(np.array(jax.devices()), ("batch",))
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
         x = jax.make_array_from_process_local_data(
