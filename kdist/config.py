@@ -69,7 +69,8 @@ class TrainConfig:
         None, "train on only the first N global batches of each epoch (default: the whole "
               "epoch)")
     steps_per_execution: int = _setting(
-        8, "train steps run by one compiled call; statistics come back once per call")
+        8, "train steps run per chunk (TensorFlow: one compiled call); statistics come "
+        "back once per chunk")
     precision: str = _setting(
         DEFAULT_PRECISION, "the Keras dtype policy the model is built under: float32, or "
         "layers computing in bfloat16 or float16 with float32 variables (mixed_float16 "

@@ -19,8 +19,9 @@ class `Engine`, and the step primitives of that backend). The division of work:
   engine compiles it.
 - The engine places a stacked chunk on its replicas (`distribute`; on torch
   one replica per process, `kdist.loop.replicas`) and runs the chunk's first
-  `num_steps` steps in one compiled call (`train_chunk`, `eval_chunk`; the
-  rest is padding, so every call has one shape). Each step, in each
+  `num_steps` steps (`train_chunk`, `eval_chunk`: on TensorFlow one compiled
+  call, on JAX one call per train step; the rest is padding, so every call
+  has one shape). Each step, in each
   replica's program (on JAX one program for the whole sharded batch), it
   calls `program.run(primitives, training, batch, mapping)`, which runs the
   step under a `kdist.step.context.StepContext` and its `StepScope`: the
@@ -118,9 +119,9 @@ class Engine(Protocol):
         ahead, while a compiled call runs: it must not run a collective."""
 
     def train_chunk(self, chunk: Any, num_steps: int, /) -> Statistics:
-        """Runs the first `num_steps` optimizer steps of a distributed chunk in
-        one compiled call; returns each step's summed statistics. Returns only
-        when every device is done."""
+        """Runs the first `num_steps` optimizer steps of a distributed chunk;
+        returns each step's summed statistics. Returns only when every device
+        is done."""
 
     def eval_chunk(self, chunk: Any, num_steps: int, /) -> Statistics:
         """Like `train_chunk`, in inference mode and without updating anything.

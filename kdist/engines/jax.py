@@ -126,10 +126,11 @@ class Engine(contract.Engine):
         def eval_step(state, batch):
             return run(state, batch, False)[1]
 
-        # Each step is jitted on its own, so it is traced once and called K
-        # times in the chunk's program (faster tracing and compiling).
-        self._train_chunk: Any = (jax.jit(_train_chunk(jax.jit(train_step)), donate_argnums=0)
-                                  if program.trains else None)
+        # One optimizer step per compiled call, its batch indexed out of the chunk
+        # inside the program: a chunk dispatches K calls of one program
+        # (`train_chunk`).
+        self._train_step: Any = (jax.jit(_indexed(train_step), donate_argnums=0)
+                                 if program.trains else None)
         self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), program.zero_statistics))
         self._eval_whole = jax.jit(eval_step)
 
@@ -159,17 +160,29 @@ class Engine(contract.Engine):
             lambda a: jax.make_array_from_process_local_data(self._chunk_sharding, a), stacked)
 
     def train_chunk(self, chunk, num_steps):
-        """Runs the chunk's first `num_steps` optimizer steps in one compiled call;
-        blocks until done.
+        """Runs the chunk's first `num_steps` optimizer steps, one compiled call
+        each; blocks until done.
 
-        Blocking on every call's result keeps one multi-device program in
-        flight at a time: on a CPU with forced host devices, letting calls
-        queue up can deadlock XLA's all-reduce rendezvous ("RendezvousKey ...
-        may be stuck"). Within one call the steps' all-reduces run in order.
+        Each call is dispatched while the one before runs, and waits for the
+        one before that: at most two calls are in flight, and the second
+        needs the first's state. On a CPU with forced host devices, letting
+        calls queue up without bound can deadlock XLA's all-reduce rendezvous
+        ("RendezvousKey ... may be stuck"). One call per step, not K steps
+        unrolled in one program: XLA:CPU runs Keras' stock convolutions and
+        pooling 1.3-1.7x faster per step that way, and kdist's own CNN as
+        fast (docs/performance.md).
         """
-        self.state, stats = self._train_chunk(self.state, chunk, num_steps)
+        per_step: list[dict] = []
+        for k in range(num_steps):
+            self.state, stats = self._train_step(self.state, chunk, k)
+            if per_step:
+                jax.block_until_ready(per_step[-1])
+            per_step.append(stats)
         jax.block_until_ready(self.state)
-        return stats
+        if not per_step:
+            return {key: np.zeros((0, *shape), np.float32)
+                    for key, shape in self.program.statistic_shapes().items()}
+        return {key: np.stack([s[key] for s in jax.device_get(per_step)]) for key in per_step[0]}
 
     def eval_chunk(self, chunk, num_steps):
         """The chunk's eval steps; blocks on every device (see `train_chunk`).
@@ -190,8 +203,8 @@ class Engine(contract.Engine):
         return jax.block_until_ready(self._eval_whole(self.state, placed))
 
     def compiled_train_programs(self):
-        """Programs in the train chunk's compile cache."""
-        return self._train_chunk._cache_size()  # A private method of jax.jit.
+        """Programs in the train step's compile cache."""
+        return self._train_step._cache_size()  # A private method of jax.jit.
 
     def any_worker(self, flag):
         """Whether `flag` is true on any worker: an all-gather every process calls
@@ -227,28 +240,15 @@ class _BlockEachBatch(keras.callbacks.Callback):
     on_test_batch_end = on_train_batch_end
 
 
-def _train_chunk(step):
-    """(state, stacked chunk, num_steps) -> (state, stats stacked per step).
+def _indexed(step):
+    """(state, stacked chunk, k) -> `step(state, the chunk's batch k)`: one program
+    serves every step of every chunk (`k` is traced, not a constant)."""
 
-    A Python loop over the chunk's K batches, unrolled when traced: on XLA:CPU
-    this runs faster than one call per step and than `lax.scan`. Batches from
-    `num_steps` on are padding: their step is computed but its state is
-    dropped by an element-wise select, so an epoch's last, shorter chunk
-    reuses the same program instead of compiling another (`lax.cond` there
-    slows training on XLA:CPU; docs/performance.md has the figures).
-    """
+    def indexed(state, chunk, k):
+        return step(state, jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), chunk))
 
-    def steps(state, chunk, num_steps):
-        per_step = []
-        for k in range(_chunk_length(chunk)):
-            new_state, stats = step(state, jax.tree.map(lambda a: a[k], chunk))  # noqa: B023
-            active = k < num_steps
-            state = jax.tree.map(lambda new, old: jax.numpy.where(active, new, old),  # noqa: B023
-                                 new_state, state)
-            per_step.append(stats)
-        return state, _stack(per_step)
-
-    return steps
+    return indexed
 
 
 def _eval_chunk(step, zero_statistics):

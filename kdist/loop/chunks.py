@@ -41,7 +41,7 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
               steps_per_execution=1, before_chunk=None, after_chunk=None, ending=None):
     """Runs `step_fn` over numpy batches, adding their statistics into `totals`.
 
-    Batches go to the engine in chunks of `steps_per_execution`, one compiled
+    Batches go to the engine in chunks of `steps_per_execution`, one engine
     call each (a short last chunk is padded with copies of its last batch
     that the engine skips, so every call has the same shapes); the next
     chunk is read, stacked and placed on the replicas (`engine.distribute`)
