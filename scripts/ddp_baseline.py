@@ -11,14 +11,13 @@ and prints the median samples/s of the epochs after the first, as
     python scripts/ddp_baseline.py --replicas 2 --steps 300 --windows 3
 """
 
-import argparse
 import json
 import os
 import socket
-import statistics
 import time
 
 import numpy as np
+import peer_loop  # scripts/peer_loop.py, beside this file
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -59,22 +58,14 @@ def worker(rank, world, port, args, results):
             dist.barrier()
         seconds.append(time.perf_counter() - start)
     if rank == 0:
-        results.put(dict(
-            baseline="torch DDP", torch=torch.__version__, replicas=world,
-            global_batch=global_batch, steps=args.steps,
-            first_epoch_seconds=round(seconds[0], 2),
-            samples_per_sec=round(statistics.median(
-                args.steps * global_batch / s for s in seconds[1:]))))
+        results.put(peer_loop.summary(seconds, args.steps, global_batch,
+                                      baseline="torch DDP", torch=torch.__version__,
+                                      replicas=world))
     dist.destroy_process_group()
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--batch-size-per-replica", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--windows", type=int, default=3)
-    args = parser.parse_args()
+    args = peer_loop.parse_args(__doc__, steps=300, windows=3)
     port = free_port()
     results = mp.get_context("spawn").SimpleQueue()
     mp.spawn(worker, args=(args.replicas, port, args, results), nprocs=args.replicas)

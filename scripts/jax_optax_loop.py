@@ -20,15 +20,15 @@ of `kdist-bench` on JAX (docs/performance.md). Needs `pip install optax`
     KERAS_BACKEND=jax python scripts/jax_optax_loop.py --replicas 1 --steps 150 --windows 5
 """
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import peer_loop  # noqa: E402 (scripts/peer_loop.py, beside this file)
 
 from kdist.runtime import startup  # noqa: E402
 
@@ -70,12 +70,7 @@ def forward(params, images):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--batch-size-per-replica", type=int, default=64)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--windows", type=int, default=5)
-    args = parser.parse_args()
+    args = peer_loop.parse_args(__doc__, steps=150, windows=5)
     startup.prepare_environment(args.replicas)  # kdist-bench's process settings, for a fair match.
     import jax
     import numpy as np
@@ -117,12 +112,9 @@ def main():
             total, correct, before = total + loss, correct + right, loss
         float(total), int(correct)  # Ends on the host.
         seconds.append(time.perf_counter() - start)
-    print(json.dumps(dict(
-        baseline="JAX with optax", jax=jax.__version__, optax=optax.__version__,
-        replicas=args.replicas, global_batch=global_batch, steps=args.steps,
-        first_epoch_seconds=round(seconds[0], 2),
-        samples_per_sec=round(statistics.median(args.steps * global_batch / s
-                                                for s in seconds[1:])))))
+    print(json.dumps(peer_loop.summary(
+        seconds, args.steps, global_batch, baseline="JAX with optax", jax=jax.__version__,
+        optax=optax.__version__, replicas=args.replicas)))
 
 
 if __name__ == "__main__":

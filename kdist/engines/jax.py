@@ -126,9 +126,7 @@ class Engine(contract.Engine):
         def eval_step(state, batch):
             return run(state, batch, False)[1]
 
-        # One optimizer step per compiled call, its batch indexed out of the chunk
-        # inside the program: a chunk dispatches K calls of one program
-        # (`train_chunk`).
+        # One optimizer step per compiled call (`train_chunk`).
         self._train_step: Any = (jax.jit(_indexed(train_step), donate_argnums=0)
                                  if program.trains else None)
         self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), program.zero_statistics))
@@ -169,8 +167,7 @@ class Engine(contract.Engine):
         calls queue up without bound can deadlock XLA's all-reduce rendezvous
         ("RendezvousKey ... may be stuck"). One call per step, not K steps
         unrolled in one program: XLA:CPU runs Keras' stock convolutions and
-        pooling 1.3-1.7x faster per step that way, and kdist's own CNN as
-        fast (docs/performance.md).
+        pooling faster per step that way (docs/performance.md).
         """
         per_step: list[dict] = []
         for k in range(num_steps):
