@@ -74,7 +74,11 @@ def main():
     startup.prepare_environment(args.replicas)  # kdist-bench's process settings, for a fair match.
     import jax
     import numpy as np
-    import optax
+    try:
+        import optax
+    except ImportError:
+        sys.exit("jax_optax_loop.py: error: needs optax, which kdist does not install: "
+                 "pip install optax")
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     mesh = Mesh(np.array(jax.devices()[:args.replicas]), ("batch",))
