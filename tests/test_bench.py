@@ -26,9 +26,10 @@ def test_the_models_are_the_flags_choices():
     assert action.default == "cnn"
 
 
-def test_cnn_weights_has_the_cnns_gradients_each_of_one_value():
-    """Its gradient all-reduce moves the CNN's tensors (same shapes, same order), and
-    every weight moves the logits alike: each gradient holds one value."""
+def test_cnn_weights_has_the_cnns_gradients_each_a_whole_tensor():
+    """Its gradient all-reduce moves the CNN's tensors (same shapes, same order), each
+    whole: a weight's element (i, j) of its bilinear form moves image b's logits by
+    pixel i times pixel j, so no two elements' gradients need be alike."""
     from keras.ops import convert_to_numpy
 
     from kdist.bench import weights_only
@@ -36,16 +37,22 @@ def test_cnn_weights_has_the_cnns_gradients_each_of_one_value():
 
     model = weights_only.create_weights_only()
     images = np.random.default_rng(0).random((4, 28, 28, 1), np.float32)
+    pixels = images.reshape(4, -1)
+    scale = (np.arange(10) + 1) / 10
     before = convert_to_numpy(model(images))
     assert [tuple(w.shape) for w in model.trainable_weights] == [
         tuple(w.shape) for w in create_model().trainable_weights]
     for variable, index in [(model.trainable_weights[0], (0, 0, 0, 5)),
+                            (model.trainable_weights[4], (1000, 20)),
                             (model.trainable_weights[-1], (9,))]:
         value = convert_to_numpy(variable).copy()
         value[index] += 1.0
         variable.assign(value)
         after = convert_to_numpy(model(images))
-        np.testing.assert_allclose(after - before, 1e-3, rtol=1e-2)
+        row, column = divmod(int(np.ravel_multi_index(index, value.shape)), 784)
+        moved = 1e-3 * pixels[:, row] * pixels[:, column]
+        np.testing.assert_allclose(after - before, moved[:, None] * scale, rtol=2e-2,
+                                   atol=1e-6)
         before = after
 
 
