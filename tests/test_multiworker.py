@@ -79,9 +79,17 @@ def test_two_workers_train_and_resume_like_one_process(tmp_path):
     assert not [n for n in os.listdir(tmp_path / "tmp") if n.startswith("kdist-worker-")]
 
     # The reference: one process with 2 replicas (N replicas equal one device: test_distribution).
-    two_replicas = str(tmp_path / "r2")
+    two_replicas, reference = str(tmp_path / "r2"), tmp_path / "r2.jsonl"
     run(tmp_path, TRAIN, *COMMON, "--epochs", "2", "--batch-size-per-replica", "8",
-        "--replicas", "2", "--checkpoint-dir", two_replicas)
+        "--replicas", "2", "--checkpoint-dir", two_replicas, "--metrics-file", str(reference))
+    # The statistics summed over workers (one packed collective) report what one process does.
+    expected = [json.loads(line) for line in reference.read_text().splitlines()]
+    for record, one in zip(records, expected):
+        statistics = sorted(k for k in one if k.startswith(("train_", "test_")))
+        assert statistics and statistics == sorted(
+            k for k in record if k.startswith(("train_", "test_")))
+        for key in statistics:
+            assert record[key] == pytest.approx(one[key], rel=1e-5, abs=1e-6), key
 
     mine = final_weights(workers, 6)
     to_replicas = max_difference(mine, final_weights(two_replicas, 6))
