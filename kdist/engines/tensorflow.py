@@ -186,36 +186,52 @@ class Engine(contract.Engine):
         `tf.range` makes the loop a `tf.while_loop`: one trace whatever the
         chunk length K and step count, so compiling costs what one step costs
         (an unrolled loop of 8 steps on 2 replicas doubled the first epoch's time).
-        Each step's statistics (`shapes`: {key: shape}) are summed over replicas:
-        across workers packed in one vector, one collective for them all; in one
-        process, each statistic apart, which costs less there.
+        Each step's statistics (`shapes`: {key: shape}) are summed over replicas.
+        Across workers each replica keeps its steps' statistics packed in one
+        (K, n) matrix, summed once at the chunk's end: one collective per
+        chunk. In one process each statistic of each step is summed apart,
+        which costs less there.
         """
-        strategy, across_workers = self.strategy, self.shard[1] > 1
-        sizes = [int(np.prod(shape)) for shape in shapes.values()]
+        if self.shard[1] > 1:
+            return self._summed_per_chunk(replica_fn, shapes)
+        strategy = self.strategy
 
         def replica_fn_at(k):
-            def run(chunk):
-                stats = replica_fn(_map_arrays(lambda a: a[k], chunk))
-                if across_workers:
-                    return tf.concat([tf.reshape(stats[key], [-1]) for key in shapes], 0)
-                return stats
-            return run
-
-        def summed(stats):
-            if across_workers:
-                total = strategy.reduce(tf.distribute.ReduceOp.SUM, stats, None)
-                return {key: tf.reshape(part, shape) for (key, shape), part in
-                        zip(shapes.items(), tf.split(total, sizes))}
-            return {key: strategy.reduce(tf.distribute.ReduceOp.SUM, stats[key], None)
-                    for key in shapes}
+            return lambda chunk: replica_fn(_map_arrays(lambda a: a[k], chunk))
 
         @tf.function
         def steps(chunk, num_steps):
             per_step = {key: tf.TensorArray(tf.float32, size=num_steps) for key in shapes}
             for k in tf.range(num_steps):  # Batches from num_steps on are padding.
-                stats = summed(strategy.run(replica_fn_at(k), args=(chunk,)))
-                per_step = {key: values.write(k, stats[key]) for key, values in per_step.items()}
+                stats = strategy.run(replica_fn_at(k), args=(chunk,))
+                per_step = {key: values.write(k, strategy.reduce(
+                    tf.distribute.ReduceOp.SUM, stats[key], None))
+                    for key, values in per_step.items()}
             return {key: values.stack() for key, values in per_step.items()}
+
+        return steps
+
+    def _summed_per_chunk(self, replica_fn, shapes):
+        """`_distributed` across workers: row k of each replica's (K, n) matrix
+        holds step k's statistics, packed; one collective sums the matrices."""
+        strategy = self.strategy
+        sizes = [int(np.prod(shape)) for shape in shapes.values()]
+
+        def replica_fn_at(k):
+            def run(chunk, rows):
+                stats = replica_fn(_map_arrays(lambda a: a[k], chunk))
+                row = tf.concat([tf.reshape(stats[key], [-1]) for key in shapes], 0)
+                return tf.tensor_scatter_nd_update(rows, [[k]], row[None])
+            return run
+
+        @tf.function
+        def steps(chunk, num_steps):
+            rows = strategy.run(lambda: tf.zeros([num_steps, sum(sizes)]))
+            for k in tf.range(num_steps):  # Batches from num_steps on are padding.
+                rows = strategy.run(replica_fn_at(k), args=(chunk, rows))
+            total = strategy.reduce(tf.distribute.ReduceOp.SUM, rows, None)
+            return {key: tf.reshape(part, [num_steps, *shape]) for (key, shape), part in
+                    zip(shapes.items(), tf.split(total, sizes, axis=1))}
 
         return steps
 
