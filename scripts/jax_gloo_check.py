@@ -1,19 +1,20 @@
 """Plain JAX, no kdist: what a cross-process gradient all-reduce costs a CNN step on CPUs.
 
-    python scripts/jax_gloo_check.py [--steps 100]
+    python scripts/jax_gloo_check.py [--steps 100] [--pin]
 
-Two processes, one CPU device each, each pinned to its own core, joined by
-`jax.distributed` with gloo's collectives (as kdist's JAX workers are). A
-step is a small CNN's gradient (two convolutions, two max-poolings, a dense
-layer) on 64 images per process and an SGD update; the global batch is
-sharded over the processes, so XLA all-reduces the gradient. The same step
-runs joined but on each process's own device (no collective), and alone
-(not joined). Under `shard_map` the same per-process gradient runs on the
-processes' mesh with its mean taken explicitly (`pmean`) of the three arrays,
-of one array that packs them, or not at all. Without arithmetic: the
-all-reduce of the gradient's three arrays alone, of the same floats packed in
-one array, of one scalar, and of the 10 arrays kdist's CNN's step all-reduces
-(XLA:CPU makes one gloo call per array it all-reduces). Prints ms per step, process 0's, for each.
+Two processes, one CPU device each, sharing the cores (with `--pin`: each
+pinned to its own core), joined by `jax.distributed` with gloo's collectives
+(as kdist's JAX workers are). A step is a small CNN's gradient (two
+convolutions, two max-poolings, a dense layer) on 64 images per process and an
+SGD update; the global batch is sharded over the processes, so XLA all-reduces
+the gradient. The same step runs joined but on each process's own device (no
+collective), and alone (not joined). Under `shard_map` the same per-process
+gradient runs on the processes' mesh with its mean taken explicitly (`pmean`)
+of the three arrays, of one array that packs them, or not at all. Without
+arithmetic: the all-reduce of the gradient's three arrays alone, of the same
+floats packed in one array, of one scalar, and of the 10 arrays kdist's CNN's
+step all-reduces (XLA:CPU makes one gloo call per array it all-reduces).
+Prints ms per step, process 0's, for each.
 """
 
 import argparse
@@ -95,9 +96,10 @@ def shard_mapped(mesh, grad, mean):
                          out_specs=PartitionSpec(), check_vma=False)
 
 
-def process(index, port, mode, steps):
+def process(index, port, mode, steps, pin):
     """One process's run; prints its ms per step."""
-    os.sched_setaffinity(0, {index % os.cpu_count()})
+    if pin:
+        os.sched_setaffinity(0, {index % os.cpu_count()})
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -135,18 +137,20 @@ def process(index, port, mode, steps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--pin", action="store_true", help="pin each process to its own core")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         index, port, mode = args.child
-        return process(int(index), port, mode, args.steps)
+        return process(int(index), port, mode, args.steps, args.pin)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from kdist.workers.processes import free_ports
 
     for mode in MODES:
         port = str(free_ports(1)[0])
-        children = [subprocess.Popen([sys.executable, __file__, "--steps", str(args.steps),
-                                      "--child", str(i), port, mode]) for i in (0, 1)]
+        flags = ["--steps", str(args.steps), *(["--pin"] if args.pin else [])]
+        children = [subprocess.Popen([sys.executable, __file__, *flags, "--child", str(i), port,
+                                      mode]) for i in (0, 1)]
         for child in children:
             child.wait(timeout=600)
 

@@ -88,18 +88,56 @@ def test_core_groups_are_disjoint_and_equal_or_none():
     assert workerbench.core_groups({5}, 2) is None
 
 
-def test_the_communication_share_compares_workers_with_the_same_work_alone():
-    def line(rate, **more):
-        return dict(model="cnn", backend="jax", precision="float32", workers=2,
-                    global_batch=16, cpu_model="x", cpu_cores=2,
-                    kdist_samples_per_sec=rate, **more)
+def _bench_line(rate, **more):
+    return dict(model="cnn", backend="jax", precision="float32", workers=2, global_batch=16,
+                cpu_model="x", cpu_cores=2, kdist_samples_per_sec=rate, **more)
 
-    [row] = workerbench.summarize([line(1200)], [line(600)], [[line(500)], [line(300)]], True)
+
+def test_the_communication_share_compares_workers_with_the_same_work_alone():
+    line = _bench_line
+    [row] = workerbench.summarize([([line(1200)], [line(600)], [[line(500)], [line(300)]])],
+                                  True)
     assert row["workers_vs_one_process"] == 0.5
     # Alone, the two processes train 800 samples/s; together 600: a quarter of the time
     # is communication.
     assert row["communication_share"] == 0.25
-    assert row["alone_samples_per_sec"] == [500, 300] and row["pinned"] is True
+    assert row["alone_samples_per_sec"] == [[500, 300]] and row["pinned"] is True
+
+
+def test_workers_against_one_process_is_the_median_of_each_rounds_own_ratio():
+    line = _bench_line
+    # The machine runs at half speed in round 2: each round's own ratio is 0.8, 0.8, 0.5.
+    rounds = [([line(1000)], [line(800)], [[line(500)], [line(500)]]),
+              ([line(500)], [line(400)], [[line(250)], [line(250)]]),
+              ([line(1000)], [line(500)], [[line(500)], [line(500)]])]
+    [row] = workerbench.summarize(rounds, False)
+    assert row["workers_vs_one_process"] == 0.8  # A ratio of medians would give 0.5.
+    assert row["workers_vs_one_process_spread"] == [0.5, 0.8]
+    assert row["communication_share"] == 0.2 and row["rounds"] == 3
+    assert row["one_process_samples_per_sec"] == [1000, 500, 1000]
+    assert "0.80x [0.50-0.80]" in workerbench._line(row)
+
+
+def test_rounds_take_the_arrangements_in_turn_and_pin_only_when_asked(monkeypatch):
+    calls, pinning = [], False
+
+    def run_benches(commands, timeout, sharing=False):
+        calls.append(commands)
+        assert sharing == (len(commands) == 2 and not pinning)
+        return [[_bench_line(100)] for _ in commands]
+
+    monkeypatch.setattr(workerbench, "run_benches", run_benches)
+    monkeypatch.setattr(workerbench.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    runs, pinned = workerbench.measure(2, ["--synthetic"], 60, rounds=2)
+    arrangement = ["one" if len(c) == 1 else "workers" if "--peers" in c[0] else "alone"
+                   for c in calls]
+    assert arrangement == ["one", "workers", "alone", "alone", "workers", "one"]
+    assert len(runs) == 2 and not pinned
+    assert all(c[3] == "" for commands in calls for c in commands)  # Not pinned.
+    calls.clear()
+    pinning = True
+    runs, pinned = workerbench.measure(2, ["--synthetic"], 60, pin=True)
+    assert pinned and [c[3] for c in calls[1]] == ["0,1", "2,3"]
 
 
 def test_flags_the_runs_set_themselves_are_refused(capsys):
