@@ -21,10 +21,11 @@ As `kdist-launch` starts workers, the processes of 2 and 3 share every core
 of the affinity mask, each told how many they are (`KDIST_LOCAL_PROCESSES`,
 by which TensorFlow and torch split the cores' threads). With `--pin` each
 is pinned (`os.sched_setaffinity`) to its own share of the cores instead, as
-on machines of their own; with one core each, a worker's collectives then
-wait for its compute thread to yield the core (gloo on JAX: 4x the unpinned
-latency per all-reduce, docs/log/2026-12-04-pinned-workers.md). With fewer
-cores than N nothing is pinned and the output says so.
+on machines of their own; with one core each, a worker's collectives share
+it with the thread that serves its sockets (gloo on JAX: 3-4x the unpinned
+time per all-reduce of several arrays,
+docs/log/2026-12-04-pinned-workers.md). With fewer cores than N nothing is
+pinned and the output says so.
 
 Every run has B examples per device (`--batch-size-per-replica`, passed
 through with the other kdist-bench flags), so each device computes the same
