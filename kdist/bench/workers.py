@@ -74,7 +74,7 @@ def parser():
         usage="bench_workers.py [-h] [--workers N] [--timeout S] -- [kdist-bench flags]",
         description="Measure kdist's training speed with N worker processes on loopback "
                     "against one process with N devices, and the share of the workers' "
-                    "step time spent communicating (N pinned processes with no peers "
+                    "step time spent communicating (N processes with no peers "
                     "doing the same work). Flags after -- go to every kdist-bench run.")
     p.add_argument("--workers", type=int, default=2, help="N (default: %(default)s)")
     p.add_argument("--rounds", type=int, default=1,
