@@ -71,7 +71,8 @@ OWN_FLAGS = ("--replicas", "--peers", "--worker-index", "--workers", "--no-fit")
 def parser():
     p = argparse.ArgumentParser(
         prog="bench_workers.py",
-        usage="bench_workers.py [-h] [--workers N] [--timeout S] -- [kdist-bench flags]",
+        usage="bench_workers.py [-h] [--workers N] [--rounds R] [--pin] [--timeout S] "
+              "-- [kdist-bench flags]",
         description="Measure kdist's training speed with N worker processes on loopback "
                     "against one process with N devices, and the share of the workers' "
                     "step time spent communicating (N processes with no peers "
