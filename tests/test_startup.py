@@ -9,6 +9,7 @@ import sys
 import pytest
 from conftest import REPO
 
+from kdist.errors import UsageError
 from kdist.runtime import memory, startup
 
 # Every script starts with this: kdist importable, glibc's malloc, mallinfo2.
@@ -32,9 +33,12 @@ DATA = 4 * memory.KEPT_BLOCK_BYTES  # Like a data set: over the threshold.
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 
 
-def _run(script, nbytes, keep=True):
-    """Runs the preamble and `script` in a fresh Python; returns its printed words."""
+def _run(script, nbytes, keep=True, **variables):
+    """Runs the preamble and `script` in a fresh Python, with the environment's
+    `variables` too; returns its printed words."""
     env = dict(os.environ, KDIST_KEEP_FREED_MEMORY="1" if keep else "0")
+    env.pop("KDIST_KEEP_FREED_MIB", None)
+    env.update(variables)
     source = (_PREAMBLE + script).format(repo=REPO, nbytes=nbytes)
     result = subprocess.run([sys.executable, "-c", source], env=env,
                             capture_output=True, text=True, check=True)
@@ -114,6 +118,60 @@ def test_a_threads_freed_scratch_heap_stays_for_reuse():
     # glibc's default unmaps a heap as soon as it is empty (the 64 MB munmap
     # per call seen with 2 JAX devices); with the top pad it stays.
     assert int(returned) == 0
+
+
+# A thread allocates and frees a scratch block over the 64 MiB a per-thread
+# arena's heap can hold (XLA's at 128 examples per device); prints the bytes
+# mapped for it and the bytes of heap still held after the free.
+_BIG_THREAD_SCRATCH = """
+import threading
+print(memory.keep_freed_memory())
+found = []
+
+def device_thread():
+    mapped_before = libc.mallinfo2().hblkhd
+    scratch = libc.malloc({nbytes})
+    found.append(libc.mallinfo2().hblkhd - mapped_before)
+    libc.free(scratch)
+    found.append(libc.mallinfo2().arena)
+
+thread = threading.Thread(target=device_thread)
+thread.start()
+thread.join()
+print(*found)
+"""
+BIG_SCRATCH = 96 << 20
+
+
+@linux_only
+def test_a_threads_scratch_over_64_mib_is_mapped_anew_by_default():
+    applied, mapped, heap_after_free = _run(_BIG_THREAD_SCRATCH, BIG_SCRATCH)
+    assert applied == "True"
+    assert int(mapped) >= BIG_SCRATCH  # A fresh mapping, faulted in at every step.
+    assert int(heap_after_free) < BIG_SCRATCH
+
+
+@linux_only
+def test_a_bigger_kept_size_keeps_a_threads_big_scratch_in_the_heap():
+    applied, mapped, heap_after_free = _run(_BIG_THREAD_SCRATCH, BIG_SCRATCH,
+                                            KDIST_KEEP_FREED_MIB="256")
+    assert applied == "True"
+    assert int(mapped) == 0
+    assert int(heap_after_free) >= BIG_SCRATCH  # Kept for the next step.
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "64M", "1.5"])
+def test_a_kept_size_that_is_no_whole_number_of_mib_is_refused(monkeypatch, text):
+    monkeypatch.setenv("KDIST_KEEP_FREED_MIB", text)
+    with pytest.raises(UsageError, match=f"KDIST_KEEP_FREED_MIB={text}: .* whole number"):
+        memory.kept_block_bytes()
+
+
+def test_the_kept_size_is_read_in_mib(monkeypatch):
+    monkeypatch.delenv("KDIST_KEEP_FREED_MIB", raising=False)
+    assert memory.kept_block_bytes() == 64 << 20
+    monkeypatch.setenv("KDIST_KEEP_FREED_MIB", "512")
+    assert memory.kept_block_bytes() == 512 << 20
 
 
 # Frees a 48 MiB block that the heap keeps (see above), then releases it:

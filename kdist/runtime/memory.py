@@ -8,13 +8,17 @@ Nothing here runs on import: `kdist.runtime.startup.prepare_environment` calls
 import ctypes
 import os
 
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # mallopt, <malloc.h>.
-KEPT_BLOCK_BYTES = 64 << 20
+from kdist.errors import UsageError
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8  # <malloc.h>.
+KEPT_BLOCK_BYTES = 64 << 20  # The default; `KDIST_KEEP_FREED_MIB` sets another.
+THREAD_HEAP_BYTES = 64 << 20  # The most a heap of a per-thread arena holds (64-bit glibc).
 _kept = False  # Whether `keep_freed_memory` took effect in this process.
 
 
 def keep_freed_memory():
-    """Makes glibc's malloc keep freed blocks of up to 64 MiB for reuse.
+    """Makes glibc's malloc keep freed blocks of up to 64 MiB (or
+    `KDIST_KEEP_FREED_MIB`) for reuse.
 
     Every compiled call of XLA (JAX) allocates its scratch memory anew (tens
     of MiB per device for the tutorial CNN). glibc serves blocks over its mmap
@@ -33,18 +37,40 @@ def keep_freed_memory():
     kernel and faults it in again at the next step (thousands of page faults
     per step for the tutorial CNN). (docs/performance.md has the measurements.)
 
+    Bigger steps (XLA at 128 examples per device and more) allocate scratch
+    blocks over 64 MiB, which a per-thread arena can never hold: glibc maps
+    each anew. `KDIST_KEEP_FREED_MIB=N` keeps blocks of up to N MiB; over 64,
+    every thread then allocates from glibc's one main arena, which has no
+    such limit (at 64 per device that costs JAX a few percent).
+
     Returns whether it took effect: on a C library without `mallopt` (macOS,
     musl) nothing changes. `KDIST_KEEP_FREED_MEMORY=0` keeps the C library's
-    defaults.
+    defaults. Raises UsageError for a `KDIST_KEEP_FREED_MIB` that is not a
+    whole number of MiB from 1 up.
     """
     global _kept
+    size = kept_block_bytes()
     mallopt = libc_function("mallopt")
     if os.environ.get("KDIST_KEEP_FREED_MEMORY") == "0" or mallopt is None:
         return False
-    _kept = all([mallopt(_M_MMAP_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
-                 mallopt(_M_TRIM_THRESHOLD, KEPT_BLOCK_BYTES) == 1,
-                 mallopt(_M_TOP_PAD, KEPT_BLOCK_BYTES) == 1])
+    settings = [(_M_MMAP_THRESHOLD, size), (_M_TRIM_THRESHOLD, size),
+                (_M_TOP_PAD, KEPT_BLOCK_BYTES)]
+    if size > THREAD_HEAP_BYTES:
+        settings.append((_M_ARENA_MAX, 1))
+    _kept = all([mallopt(option, value) == 1 for option, value in settings])
     return _kept
+
+
+def kept_block_bytes():
+    """The largest freed block `keep_freed_memory` keeps: `KDIST_KEEP_FREED_MIB`
+    MiB, or 64 MiB where it is unset."""
+    text = os.environ.get("KDIST_KEEP_FREED_MIB", "").strip()
+    if not text:
+        return KEPT_BLOCK_BYTES
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"KDIST_KEEP_FREED_MIB={text}: give the largest freed block to "
+                         "keep in MiB, a whole number from 1 (unset: 64)")
+    return int(text) << 20
 
 
 def keeping_freed_memory():

@@ -78,12 +78,14 @@ def prepare_environment(replicas: int | None = None, verbose: bool = False) -> N
     - Unless `verbose`: `TF_CPP_MIN_LOG_LEVEL=2` and `GRPC_VERBOSITY=ERROR`,
       only where they are unset (set them yourself to keep yours).
     - glibc keeps freed blocks of up to 64 MiB for reuse
-      (`kdist.runtime.memory.keep_freed_memory`; `KDIST_KEEP_FREED_MEMORY=0` turns it off).
+      (`kdist.runtime.memory.keep_freed_memory`; `KDIST_KEEP_FREED_MEMORY=0` turns it off,
+      `KDIST_KEEP_FREED_MIB=N` keeps blocks of up to N MiB).
     - JAX: after each long compile, the compiler's freed memory goes back to
       the kernel (`kdist.runtime.memory.release_after_long_compiles`, a
       `jax.monitoring` listener; `KDIST_RELEASE_COMPILER_MEMORY=0` turns it off).
 
-    Raises UsageError for an unsupported backend (see `selected_backend`).
+    Raises UsageError for an unsupported backend (see `selected_backend`) or a
+    `KDIST_KEEP_FREED_MIB` that is not a whole number of MiB.
     """
     backend = check_backend(selected_backend())
     if not verbose:
