@@ -244,3 +244,53 @@ def test_importing_kdist_and_its_engine_changes_nothing_process_wide():
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "False"]
+
+
+class _Counter:
+    """A page fault count that the test advances (`_epoch`)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def __call__(self):
+        return self.value
+
+
+def _epoch(meter, counter, chunks, per_step, first_chunk=0, steps_per_chunk=8):
+    """Runs an epoch of `chunks` chunks through `meter`; returns its hint."""
+    meter.start_epoch()
+    for k in range(chunks):
+        counter.value += first_chunk if k == 0 else per_step * steps_per_chunk
+        meter.after_chunk((k + 1) * steps_per_chunk)
+    return meter.hint()
+
+
+@pytest.fixture
+def kept(monkeypatch):
+    monkeypatch.setattr(memory, "_kept", True)
+    monkeypatch.delenv("KDIST_KEEP_FREED_MIB", raising=False)
+
+
+def test_steps_that_fault_in_fresh_memory_get_one_hint(kept):
+    counter = _Counter()
+    meter = memory.FaultMeter(counter)
+    pages_per_mib = (1 << 20) // os.sysconf("SC_PAGE_SIZE")
+    hint = _epoch(meter, counter, chunks=4, per_step=72 * pages_per_mib)
+    assert hint.startswith("Each train step faulted in about 72 MiB of fresh memory")
+    assert "KDIST_KEEP_FREED_MIB=512" in hint
+    assert _epoch(meter, counter, chunks=4, per_step=72 * pages_per_mib) is None  # Once.
+
+
+def test_the_first_chunks_compile_and_few_faults_give_no_hint(kept):
+    counter = _Counter()
+    meter = memory.FaultMeter(counter)
+    # Half a million faults while compiling, then 100 per step: a steady step.
+    assert _epoch(meter, counter, chunks=4, per_step=100, first_chunk=500_000) is None
+    # Each epoch's window starts after its first chunk; 8 steps are the fewest judged.
+    assert _epoch(meter, counter, chunks=1, per_step=10**6) is None
+
+
+def test_no_hint_once_the_kept_size_is_set(kept, monkeypatch):
+    monkeypatch.setenv("KDIST_KEEP_FREED_MIB", "512")
+    counter = _Counter()
+    assert _epoch(memory.FaultMeter(counter), counter, chunks=4, per_step=10**5) is None

@@ -20,6 +20,7 @@ from kdist.errors import CheckpointError, TrainingError, UsageError
 from kdist.inputs import base, pipelines
 from kdist.loop import building, reporting
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
+from kdist.runtime import memory
 from kdist.step import draws
 
 
@@ -42,6 +43,7 @@ class Run:
         self.train_chunk = min(config.steps_per_execution,  # Compiled steps.
                                self.limit or config.steps_per_execution)
         self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
+        self.faults = memory.FaultMeter()  # Steps that fault in fresh memory: one hint.
         if self.engine.is_chief:  # Only the chief writes there, so only it locks.
             self.manager.prepare(lock=True, break_lock=config.break_lock)
         self.writer = background.BackgroundWriter(
@@ -91,12 +93,14 @@ class Run:
         totals = position.totals if position.totals is not None else zero_totals(self.step)
 
         def after_chunk(done, totals):  # A checkpoint by steps or minutes, mid-epoch.
+            self.faults.after_chunk(done)
             here = dataclasses.replace(position, step_in_epoch=first_step + done,
                                        totals=totals)
             if here.step_in_epoch != self.steps and self.periodic_due(here):
                 self.save(here, log, progress)
             self.report_writes(log, progress=progress)
 
+        self.faults.start_epoch()
         try:
             totals, done = run_steps(
                 self.engine, self.engine.train_chunk, with_draws, totals, on_step,
@@ -112,6 +116,8 @@ class Run:
                                        totals=totals), None
         if self.steps is None:  # Its length is known now.
             self.steps = first_step + done
+        if hint := self.faults.hint():
+            log(hint)
         seconds = time.perf_counter() - start if done else None  # None: all trained before.
         test = self.evaluate(calls) if self.step.evaluates else {}
         record = records.EpochRecord(

@@ -131,3 +131,59 @@ def release_after_long_compiles():
 def _after_compile(event, duration_secs, **kwargs):
     if event == COMPILE_EVENT and duration_secs >= LONG_COMPILE_SECONDS:
         release_freed_memory()
+
+
+FAULTS_PER_STEP_HINT = 4096  # Minor page faults (16 MiB of 4 KiB pages) per train step.
+_MEASURED_STEPS = 8  # The fewest steps the hint is judged on.
+
+
+class FaultMeter:
+    """Counts the minor page faults of an epoch's train steps after its first
+    chunk (which compiles), and says once when they suggest `KDIST_KEEP_FREED_MIB`.
+
+    A step that faults in megabytes of fresh memory each time has scratch
+    blocks over the kept size (`keep_freed_memory`). `faults` reads this
+    process's count (`getrusage`; None where there is none).
+    """
+
+    def __init__(self, faults=None):
+        self._faults = faults or _minor_faults
+        self._said = False
+        self._start: tuple[int, int] | None = None  # (faults, steps) after the first chunk.
+        self._now = (0, 0)
+
+    def start_epoch(self):
+        self._start = None
+
+    def after_chunk(self, steps_done):
+        """After a chunk; `steps_done`: the epoch's steps so far in this call."""
+        faults = self._faults()
+        if faults is None:
+            return
+        if self._start is None:
+            self._start = (faults, steps_done)
+        self._now = (faults, steps_done)
+
+    def hint(self):
+        """The line to print once, after an epoch's steps, or None."""
+        if self._said or self._start is None or not _kept:
+            return None
+        if os.environ.get("KDIST_KEEP_FREED_MIB"):
+            return None
+        steps = self._now[1] - self._start[1]
+        per_step = (self._now[0] - self._start[0]) / steps if steps >= _MEASURED_STEPS else 0
+        if per_step < FAULTS_PER_STEP_HINT:
+            return None
+        self._said = True
+        mib = per_step * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+        return (f"Each train step faulted in about {mib:,.0f} MiB of fresh memory: setting "
+                f"KDIST_KEEP_FREED_MIB=512 may make the steps faster (docs/library.md, "
+                f"Commands and flags)")
+
+
+def _minor_faults():
+    try:
+        import resource
+    except ImportError:  # Not on Windows.
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
