@@ -160,7 +160,7 @@ def test_a_bigger_kept_size_keeps_a_threads_big_scratch_in_the_heap():
     assert int(heap_after_free) >= BIG_SCRATCH  # Kept for the next step.
 
 
-@pytest.mark.parametrize("text", ["0", "-5", "64M", "1.5"])
+@pytest.mark.parametrize("text", ["0", "-5", "64M", "1.5", "4096"])
 def test_a_kept_size_that_is_no_whole_number_of_mib_is_refused(monkeypatch, text):
     monkeypatch.setenv("KDIST_KEEP_FREED_MIB", text)
     with pytest.raises(UsageError, match=f"KDIST_KEEP_FREED_MIB={text}: .* whole number"):

@@ -12,6 +12,7 @@ from kdist.errors import UsageError
 
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -2, -3, -8  # <malloc.h>.
 KEPT_BLOCK_BYTES = 64 << 20  # The default; `KDIST_KEEP_FREED_MIB` sets another.
+MAX_KEPT_MIB = 2047  # mallopt takes a C int: 2 GiB and more would wrap around.
 THREAD_HEAP_BYTES = 64 << 20  # The most a heap of a per-thread arena holds (64-bit glibc).
 _kept = False  # Whether `keep_freed_memory` took effect in this process.
 
@@ -46,7 +47,7 @@ def keep_freed_memory():
     Returns whether it took effect: on a C library without `mallopt` (macOS,
     musl) nothing changes. `KDIST_KEEP_FREED_MEMORY=0` keeps the C library's
     defaults. Raises UsageError for a `KDIST_KEEP_FREED_MIB` that is not a
-    whole number of MiB from 1 up.
+    whole number of MiB from 1 to 2047.
     """
     global _kept
     size = kept_block_bytes()
@@ -67,9 +68,9 @@ def kept_block_bytes():
     text = os.environ.get("KDIST_KEEP_FREED_MIB", "").strip()
     if not text:
         return KEPT_BLOCK_BYTES
-    if not text.isdigit() or int(text) < 1:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_KEPT_MIB:
         raise UsageError(f"KDIST_KEEP_FREED_MIB={text}: give the largest freed block to "
-                         "keep in MiB, a whole number from 1 (unset: 64)")
+                         f"keep in MiB, a whole number from 1 to {MAX_KEPT_MIB} (unset: 64)")
     return int(text) << 20
 
 
