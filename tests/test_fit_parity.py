@@ -23,20 +23,25 @@ REPLICAS = [1, 2, 4]
 BATCH = 64
 
 
-class AddLoss(keras.layers.Layer):
-    """Identity that adds 0.1 * mean(x ** 2) to the model's losses (`add_loss`)."""
+class DenseAddLoss(keras.layers.Dense):
+    """Dense that adds 0.1 * mean(output ** 2) to the model's losses (`add_loss`).
+
+    The model's one layer with losses of its own (this and its activity
+    regularizer): `fit` on JAX calls each layer as the outermost one, and a
+    second such layer could drop this one's loss at random, where the id a
+    layer recorded at its last call is given again to a new tensor (Keras 3.15;
+    kdist's steps are not affected, docs/log/2026-12-04-loss-ids.md)."""
 
     def call(self, x):
-        self.add_loss(0.1 * ops.mean(ops.square(x)))
-        return x
+        outputs = super().call(x)
+        self.add_loss(0.1 * ops.mean(ops.square(outputs)))
+        return outputs
 
 
 def regularized_classifier():
     inputs = keras.Input((8,))
-    hidden = keras.layers.Dense(16, activation="relu",
-                                kernel_regularizer=keras.regularizers.L2(0.05),
-                                activity_regularizer=keras.regularizers.L1(0.01))(inputs)
-    hidden = AddLoss()(hidden)
+    hidden = DenseAddLoss(16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.05),
+                          activity_regularizer=keras.regularizers.L1(0.01))(inputs)
     logits = keras.layers.Dense(3, kernel_regularizer=keras.regularizers.L2(0.05))(hidden)
     model = keras.Model(inputs, logits)
     model.compile(optimizer=keras.optimizers.SGD(0.5),

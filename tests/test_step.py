@@ -1,14 +1,17 @@
 """The built-in step's statistics (`kdist.step.program.Program` running
-`kdist.step.compiled`), eagerly on one device: the loss, the model's losses, metrics."""
+`kdist.step.compiled`), eagerly on one device: the loss, the model's losses, metrics;
+and each model's losses in a step that calls two."""
 
 import keras
 import numpy as np
 import pytest
 from keras import ops
 
+import kdist
 from kdist import engines
 from kdist.loop import chunks
 from kdist.models import losses
+from kdist.step import context
 from kdist.step.compiled import build_metrics
 from kdist.step.program import Program
 
@@ -89,3 +92,78 @@ def test_an_uncompiled_model_is_a_clear_error():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(Exception, match="model is not compiled"):
         build_metrics(model, np.zeros((2, 3), np.float32), np.zeros((2, 1), np.float32))
+
+
+class Constant(keras.layers.Layer):
+    """x + w (w a weight, 0) that adds `value`, one tensor made once, as its loss at
+    every call."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = ops.convert_to_tensor(value, "float32")
+        self.w = self.add_weight((), initializer="zeros")
+
+    def call(self, x):
+        self.add_loss(self.value)
+        return x + self.w
+
+
+class TwoModels(keras.Model):
+    """A step calling two models, each with a loss (1 and 2), as a GAN's does; its
+    `check(self)`, if set, runs in the step after both calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = (keras.Sequential([keras.Input((2,)), Constant(v)])
+                                   for v in (1.0, 2.0))
+        self.check = None
+
+    def train_step(self, data):
+        return self.test_step(data)
+
+    def test_step(self, data):
+        def loss(model):  # The losses: the mean output is 0 (x and w are 0).
+            return ops.mean(self.second(self.first(data[0]))) + sum(model.losses)
+
+        total = sum(kdist.value_and_grad(lambda m=m: loss(m), m.trainable_variables)[0]
+                    for m in (self.first, self.second))
+        if self.check is not None:
+            self.check(self)
+        return {"losses": total}
+
+
+def run_two_models(check=None, plant=False):
+    """Statistics of TwoModels' test step on 3 rows; with `plant`, the second model's
+    layer has recorded, at its last call, the id of the first one's loss."""
+    model, x = TwoModels(), np.zeros((3, 2), np.float32)
+    program = Program(model)
+    engine = engines.create_engine(distributed=False)
+    program.build(engine, (x, None, None))
+    model.check = check
+    if plant:
+        model.second.layers[0]._loss_ids.add(id(model.first.layers[0].value))
+    stats, _ = program.run(engine.primitives(), False, (ops.convert_to_tensor(x), None, None))
+    return float(keras.ops.convert_to_numpy(stats["losses_sum"]))
+
+
+def test_a_loss_id_recorded_at_a_layers_last_call_drops_no_loss_of_the_step():
+    """CPython gives a freed tensor's id to a new one: here, the id the second
+    model's layer recorded at its last call is that of the loss the first model
+    adds now. Keras' call of the second model drops the losses its layers
+    recorded; kdist empties the records before a step, so both losses count."""
+    assert run_two_models(plant=True) == pytest.approx(3 * (1.0 + 2.0))
+
+
+def test_every_loss_id_keras_records_in_a_step_names_a_loss_the_step_holds():
+    """A loss of an inner scope (JAX's `value_and_grad`) stays alive until the
+    step ends, so no tensor made later in the step can take its id."""
+    seen = []
+
+    def check(model):
+        step = context.current()
+        held = {id(t) for t in step.kept_losses + context.current_scope().losses}
+        seen.append([layer._loss_ids <= held and len(layer._loss_ids) == 1
+                     for m in (model.first, model.second) for layer in m.layers])
+
+    assert run_two_models(check) == pytest.approx(3 * (1.0 + 2.0))
+    assert seen == [[True, True]]

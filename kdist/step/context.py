@@ -14,6 +14,16 @@ values (their change is the step's statistic, `kdist.step.program`). Only
 optimizers change weights: a step that assigns a trainable or optimizer
 variable itself gets a `UsageError`, because kdist keeps the replicas equal
 by applying the same averaged gradients on each.
+
+Keras counts a layer's losses (`add_loss`, activity regularizers) by the
+ids of the tensors it added (`Layer._loss_ids`), and a model called as the
+outermost layer first drops from the scope the losses whose ids its layers
+recorded at their last call. Once those tensors are freed, CPython hands
+their ids to new objects, so a loss another model added in the same step
+could be dropped in their place: a silent wrong loss. A `StepContext`
+therefore empties the step's layers' records when it opens and keeps every
+loss its scopes collect alive until it closes, so each recorded id names a
+tensor of the running step (`forget_loss_ids`).
 """
 
 import contextlib
@@ -70,6 +80,7 @@ class StepScope(keras.StatelessScope):
     def __exit__(self, *exception):
         if self.parent is not None:  # What a nested function read, its caller read.
             self.parent.reads |= self.reads
+        self.context.kept_losses.extend(self.losses)  # Their ids stay theirs (see above).
         return super().__exit__(*exception)
 
     def get_current_value(self, variable):
@@ -104,10 +115,14 @@ class StepContext:
         draws: the arrays `kdist.random` hands out, in call order (`kdist.step.draws`).
         dry: the building run (`kdist.step.program.Program.build`): no
             collectives, optimizers only build, draws are recorded.
+        layers: every layer the step may call, whose records of loss ids
+            are emptied when the context opens.
     """
 
-    def __init__(self, primitives, guarded=frozenset(), draws=(), dry=False):
+    def __init__(self, primitives, guarded=frozenset(), draws=(), dry=False, layers=()):
         self.primitives = primitives
+        self.layers = layers
+        self.kept_losses: list[Any] = []  # Every loss the step's scopes collected.
         self.guarded = guarded
         self.draws = list(draws)
         self.dry = dry
@@ -121,12 +136,14 @@ class StepContext:
     @contextlib.contextmanager
     def active(self, mapping=()):
         """Opens this context and the step's `StepScope`; yields the scope."""
+        forget_loss_ids(self.layers)
         token = _ACTIVE.set(self)
         try:
             with StepScope(self, mapping) as scope:
                 yield scope
         finally:
             _ACTIVE.reset(token)
+            self.kept_losses.clear()
 
     @contextlib.contextmanager
     def optimizer_applying(self, leave_scope=None):
@@ -142,6 +159,15 @@ class StepContext:
         finally:
             global_state.set_global_attribute("stateless_scope", scope)
             self.applying = False
+
+
+def forget_loss_ids(layers):
+    """Empties each layer's record of the ids of the losses it added at its last
+    call (Keras' `Layer._loss_ids`; see the module's docstring)."""
+    for layer in layers:
+        ids = getattr(layer, "_loss_ids", None)
+        if ids:
+            ids.clear()
 
 
 def current():

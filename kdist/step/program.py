@@ -92,8 +92,10 @@ class Program:
     def _take_variables(self):
         """`variables`: every variable the steps read or change, but the metrics';
         `guarded`: the ids of those only optimizers may assign. Taken again once
-        `build` has built the optimizers (their state exists from then on)."""
+        `build` has built the optimizers (their state exists from then on);
+        `layers`: the model and every layer in it, which steps may call."""
         model = self.model
+        self.layers = list(model._flatten_layers(include_self=True))
         metric_ids = {id(v) for v in self.metric_variables}
         self.variables = _unique(
             [v for v in model.trainable_variables + model.non_trainable_variables
@@ -118,7 +120,8 @@ class Program:
         for phase in PHASES:
             if self.steps[phase] is None or (phase == "train" and not (self.trains or own)):
                 continue  # (A model's own train step builds its optimizers, even to evaluate.)
-            context = step_context.StepContext(engine.primitives(), self.guarded, dry=True)
+            context = step_context.StepContext(engine.primitives(), self.guarded, dry=True,
+                                               layers=self.layers)
             with engine.scope():
                 tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
                 watch: Any = portable.watching() if own else contextlib.nullcontext([])
@@ -155,7 +158,7 @@ class Program:
         step reads in place of the variables. Returns (statistics, scope)."""
         phase = "train" if training else "test"
         context = step_context.StepContext(primitives, self.guarded,
-                                           batch[3] if len(batch) > 3 else ())
+                                           batch[3] if len(batch) > 3 else (), layers=self.layers)
         logs, scope = self._call(context, phase, batch, mapping)
         if context.draws_taken != len(context.draws):
             raise UsageError(f"the {phase}_step made {context.draws_taken} kdist.random draws "
