@@ -281,6 +281,14 @@ def test_steps_that_fault_in_fresh_memory_get_one_hint(kept):
     assert _epoch(meter, counter, chunks=4, per_step=72 * pages_per_mib) is None  # Once.
 
 
+@pytest.mark.parametrize("mib, suggested", [(72, 512), (600, 1024), (1500, 2047), (9000, 2047)])
+def test_the_hint_suggests_a_kept_size_that_holds_a_steps_fresh_memory(kept, mib, suggested):
+    counter = _Counter()
+    pages_per_mib = (1 << 20) // os.sysconf("SC_PAGE_SIZE")
+    hint = _epoch(memory.FaultMeter(counter), counter, chunks=4, per_step=mib * pages_per_mib)
+    assert f"about {mib:,} MiB" in hint and f"KDIST_KEEP_FREED_MIB={suggested} " in hint
+
+
 def test_the_first_chunks_compile_and_few_faults_give_no_hint(kept):
     counter = _Counter()
     meter = memory.FaultMeter(counter)

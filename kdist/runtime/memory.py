@@ -178,8 +178,17 @@ class FaultMeter:
         self._said = True
         mib = per_step * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
         return (f"Each train step faulted in about {mib:,.0f} MiB of fresh memory: setting "
-                f"KDIST_KEEP_FREED_MIB=512 may make the steps faster (docs/library.md, "
-                f"Commands and flags)")
+                f"KDIST_KEEP_FREED_MIB={suggested_mib(mib)} may make the steps faster "
+                f"(docs/library.md, Commands and flags)")
+
+
+def suggested_mib(faulted_mib):
+    """The kept size to suggest for steps that fault in `faulted_mib` each: 512, or
+    the power of two that holds them all as one block, at most `MAX_KEPT_MIB`."""
+    size = 512
+    while size < faulted_mib and size < MAX_KEPT_MIB:
+        size *= 2
+    return min(size, MAX_KEPT_MIB)
 
 
 def _minor_faults():
