@@ -4,6 +4,7 @@ Each engine class declares the contract's Protocol as its base, so mypy (`nox -s
 lint`) checks every engine's method signatures against it, installed or not.
 """
 
+import logging
 import os
 import subprocess
 import sys
@@ -48,6 +49,31 @@ def test_the_active_engine_meets_the_contract_when_used(small_dataset, replicas,
     assert engine.compiled_train_programs() == 1
     engine.sync_to_model()  # The optimizer steps reach the Keras variables.
     assert any(np.abs(a - b).max() > 0 for a, b in zip(initial, model.get_weights()))
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's warning")
+def test_engines_made_one_after_another_trace_once_each_and_warn_of_no_retracing(
+        small_dataset):
+    """As where a process trains more than once (a teacher, then a student): TensorFlow
+    warns of frequent retracing after five traces of one code object."""
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("tensorflow").addHandler(handler)
+    try:
+        for _ in range(3):
+            engine = engines.create_engine(2, distributed=True)
+            prepare(engine, 32, optimizer_fn=training.sgd, learning_rate=0.1)
+            batches = list(arrays.train_batches(*small_dataset.split("train"), 32, seed=0,
+                                              epoch=0, steps=2))
+            chunk = engine.distribute(chunks.stack_chunk(batches))
+            engine.train_chunk(chunk, 2)
+            engine.eval_chunk(chunk, 2)
+            engine.eval_whole(batches[0])
+            assert engine.compiled_train_programs() == 1
+    finally:
+        logging.getLogger("tensorflow").removeHandler(handler)
+    assert [w for w in warnings if "retracing" in w] == []
 
 
 def test_every_contract_method_is_the_engines_own():

@@ -2,6 +2,7 @@
 `MultiWorkerMirroredStrategy` across workers once `connect` ran."""
 
 import contextlib
+import functools
 import os
 from typing import Any
 
@@ -14,6 +15,14 @@ from kdist.errors import UsageError
 from kdist.runtime.startup import split_tensorflow_cpu
 from kdist.step.context import current_scope, loss_of, substituted
 from kdist.workers import processes
+
+
+def _own_function(fn):
+    """`tf.function(fn)`, its traces counted apart from those of other functions of
+    the same code. TensorFlow warns of frequent retracing after five traces of
+    one code object, so each engine's first traces would count as retraces of an
+    earlier engine's where a process trains more than once."""
+    return tf.function(functools.partial(fn))
 
 
 def _replica_devices(replicas):
@@ -172,13 +181,12 @@ class Engine(contract.Engine):
             return {key: tf.where(first, value, tf.zeros_like(value))
                     for key, value in replica_fn(batch).items()}
 
-        @tf.function
         def whole(batch):
             stats = strategy.run(first_replica_only, args=(batch,))
             return {key: strategy.reduce(tf.distribute.ReduceOp.SUM, value, None)
                     for key, value in stats.items()}
 
-        return whole
+        return _own_function(whole)
 
     def _distributed(self, replica_fn, shapes):
         """A tf.function running `replica_fn` on each step of a stacked chunk.
@@ -199,7 +207,6 @@ class Engine(contract.Engine):
         def replica_fn_at(k):
             return lambda chunk: replica_fn(_map_arrays(lambda a: a[k], chunk))
 
-        @tf.function
         def steps(chunk, num_steps):
             per_step = {key: tf.TensorArray(tf.float32, size=num_steps) for key in shapes}
             for k in tf.range(num_steps):  # Batches from num_steps on are padding.
@@ -209,7 +216,7 @@ class Engine(contract.Engine):
                     for key, values in per_step.items()}
             return {key: values.stack() for key, values in per_step.items()}
 
-        return steps
+        return _own_function(steps)
 
     def _summed_per_chunk(self, replica_fn, shapes):
         """`_distributed` across workers: row k of each replica's (K, n) matrix
@@ -224,7 +231,6 @@ class Engine(contract.Engine):
                 return tf.tensor_scatter_nd_update(rows, [[k]], row[None])
             return run
 
-        @tf.function
         def steps(chunk, num_steps):
             rows = strategy.run(lambda: tf.zeros([num_steps, sum(sizes)]))
             for k in tf.range(num_steps):  # Batches from num_steps on are padding.
@@ -233,7 +239,7 @@ class Engine(contract.Engine):
             return {key: tf.reshape(part, [num_steps, *shape]) for (key, shape), part in
                     zip(shapes.items(), tf.split(total, sizes, axis=1))}
 
-        return steps
+        return _own_function(steps)
 
     def distribute(self, stacked):
         """Splits a stacked chunk, numpy arrays of (K, batch, ...), along the
@@ -276,7 +282,7 @@ class Engine(contract.Engine):
         if self.shard[1] == 1:
             return bool(flag)
         if self._sum_over_replicas is None:
-            self._sum_over_replicas = tf.function(
+            self._sum_over_replicas = _own_function(
                 lambda values: self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, None))
         values = self.strategy.experimental_distribute_values_from_function(
             lambda ctx: tf.constant(float(bool(flag))))
