@@ -313,13 +313,14 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
     (["--worker-index", "-1", "--peers", "127.0.0.1:1,127.0.0.1:2"],
      "worker index -1 is not in 0..1"),
 ])
-def test_out_of_range_flags_exit_2_with_one_line(tmp_path, args, message, capsys):
+def test_out_of_range_flags_exit_2_with_one_line(tmp_path, args, message, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/kdist-train"])  # As the installed command.
     with pytest.raises(SystemExit) as exit_:
         train_cli.main(args + ["--synthetic", "--epochs", "1", "--steps-per-epoch", "1",
                          "--checkpoint-dir", str(tmp_path / "ck")])
     assert exit_.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]  # argparse: usage, then the reason.
-    assert last.startswith("train.py: error: ") and message in last
+    assert last.startswith("kdist-train: error: ") and message in last
     assert not (tmp_path / "ck").exists()
 
 

@@ -6,13 +6,13 @@ import importlib.util
 from kdist import config, errors
 from kdist.bench import choices
 from kdist.cli import common
-from kdist.cli.flags import add_config_flags, names, positive
+from kdist.cli.flags import add_config_flags, command_name, names, positive
 
 
 @common.quiet_signals("stopped")
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="bench.py",
+        prog=command_name("kdist-bench"),
         description="Measure kdist's training loop against Keras fit on the backend chosen "
                     "by KERAS_BACKEND: same model, data, batch and devices, one process. "
                     "Prints a table, then one JSON line.")

@@ -7,13 +7,13 @@ import os
 import kdist
 from kdist import errors
 from kdist.cli import common
-from kdist.cli.flags import add_config_flags
+from kdist.cli.flags import add_config_flags, command_name
 
 
 @common.quiet_signals("stopped")
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="evaluate.py",
+        prog=command_name("kdist-evaluate"),
         description="Restore the newest checkpoint of --checkpoint-dir into a fresh model "
                     "with no distribution, on the backend chosen by KERAS_BACKEND, and "
                     "print its test accuracy.")

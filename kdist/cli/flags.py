@@ -7,10 +7,20 @@ drift apart.
 
 import argparse
 import math
+import os
+import sys
 import typing
 
 from kdist import checks, config
 from kdist.config import TrainConfig
+
+
+def command_name(fallback):
+    """What a command calls itself in its usage and error lines: the name it was
+    started by (`kdist-train`, `train.py`, `dcgan.py`), or `fallback` where
+    Python ran it as a module (`python -m kdist`)."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return fallback if name in ("", "-c", "__main__.py") else name
 
 
 def positive(kind):

@@ -21,6 +21,7 @@ import argparse
 import signal
 import sys
 
+from kdist.cli.flags import command_name
 from kdist.workers.processes import (
     STOP_SIGNALS,
     start,
@@ -31,7 +32,7 @@ from kdist.workers.processes import (
 
 def parser():
     p = argparse.ArgumentParser(
-        prog="launch.py",
+        prog=command_name("kdist-launch"),
         usage="kdist-launch [-h] --workers N [--timeout S] [--grace S] "
               "-- [kdist-train flags | COMMAND ...]",
         description="Start N training workers on this machine (127.0.0.1, free ports), on "

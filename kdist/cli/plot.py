@@ -4,6 +4,8 @@ import argparse
 import json
 import sys
 
+from kdist.cli.flags import command_name
+
 
 def read_epochs(metrics_file):
     """The per-epoch records of a JSON-lines metrics file, last run's value per epoch."""
@@ -61,8 +63,9 @@ def plot_curves(metrics_file, output):
 def main(argv=None):
     """`kdist-plot METRICS -o PNG`; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="plot.py", description="Draw the learning curves of a --metrics-file as a PNG.")
-    parser.add_argument("metrics_file", help="JSON lines written by train.py --metrics-file")
+        prog=command_name("kdist-plot"),
+        description="Draw the learning curves of a --metrics-file as a PNG.")
+    parser.add_argument("metrics_file", help="JSON lines written by kdist-train --metrics-file")
     parser.add_argument("-o", "--output", default="curves.png",
                         help="PNG to write (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -6,21 +6,20 @@ The train flags come from `kdist.TrainConfig`'s fields (`kdist.cli.flags`).
 import argparse
 import dataclasses
 import functools
-import os
 import sys
 from typing import Any
 
 import kdist
 from kdist import config
 from kdist.cli import common
-from kdist.cli.flags import add_config_flags, config_from_args
+from kdist.cli.flags import add_config_flags, command_name, config_from_args
 from kdist.errors import UsageError
 from kdist.workers.processes import follow_launcher
 
 
-def train_parser(prog="train.py", description=None, model_flag=True):
+def train_parser(description=None, model_flag=True):
     parser = argparse.ArgumentParser(
-        prog=prog,
+        prog=command_name("python -m kdist"),
         description=description or (
             "Train the tutorial CNN on Fashion-MNIST, data-parallel, on the backend "
             "chosen by KERAS_BACKEND (tensorflow, jax or torch); then restore the latest "
@@ -51,8 +50,7 @@ def main(argv=None, model_fn=None, description=None, after=None):
     with the same flags (`--optimizer` and `--learning-rate` are then the
     script's to read from `args`). `after(args)` runs once training has
     ended well. Returns the exit status."""
-    parser = (train_parser(os.path.basename(sys.argv[0]), description, model_flag=False)
-              if model_fn else train_parser())
+    parser = (train_parser(description, model_flag=False) if model_fn else train_parser())
 
     def body(args):
         status = _train(args) if model_fn is None else _train(args, model_fn)
