@@ -75,12 +75,14 @@ def test_inconsistent_settings_are_usage_errors(backend, environ, flags, message
         spec(backend, environ, **flags)
 
 
-def test_bad_peers_flag_exits_2_with_one_line(capsys):
+def test_bad_peers_flag_exits_2_with_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/kdist-train"])  # As the installed command.
     with pytest.raises(SystemExit) as exit_:
         train_cli.main(["--synthetic", "--peers", "127.0.0.1:1,127.0.0.1:2", "--worker-index", "5"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "worker index 5 is not in 0..1" in err and err.splitlines()[-1].startswith("train.py")
+    assert "worker index 5 is not in 0..1" in err
+    assert err.splitlines()[-1].startswith("kdist-train: error: ")
 
 
 def test_help_documents_the_worker_flags_and_variables(capsys):
