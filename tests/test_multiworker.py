@@ -150,7 +150,7 @@ def launch_long_run(tmp_path, act, grace=60, own_script=False):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(tmp_path))
     try:
         lines = Lines(proc.stdout)
-        pids = [int(lines.wait_for(f"launch: worker {i} pid").split()[4]) for i in (0, 1)]
+        pids = [int(lines.wait_for(f"kdist-launch: worker {i} pid").split()[4]) for i in (0, 1)]
         lines.wait_for("[worker 0] Checkpoints: ")
         act(proc, pids)
         err = proc.stderr.read()  # Ends when the launcher exits.
@@ -190,7 +190,7 @@ def assert_stopped_together(tmp_path, out, pids):
 def test_a_killed_worker_stops_the_launcher_and_every_worker(tmp_path):
     status, _, err, pids = launch_long_run(tmp_path, lambda proc, pids: os.kill(pids[1], 9))
     assert status == 128 + signal.SIGKILL
-    assert err.startswith(f"launch: error: worker 1 exited with status {128 + 9}")
+    assert err.startswith(f"kdist-launch: error: worker 1 exited with status {128 + 9}")
     assert not [pid for pid in pids if alive(pid)]
 
 
@@ -202,7 +202,7 @@ def test_a_signal_to_the_launcher_checkpoints_and_stops_every_worker(tmp_path, s
                                                                      own_script):
     status, out, err, pids = launch_long_run(
         tmp_path, lambda proc, pids: proc.send_signal(signum), own_script=own_script)
-    assert status == 130 and "launch: interrupted; stopped every worker" in err
+    assert status == 130 and "kdist-launch: interrupted; stopped every worker" in err
     assert_stopped_together(tmp_path, out, pids)
 
 
@@ -212,7 +212,7 @@ def test_sigterm_to_one_worker_stops_every_worker_at_the_same_step(tmp_path, ind
     status, out, err, pids = launch_long_run(
         tmp_path, lambda proc, pids: os.kill(pids[index], signal.SIGTERM))
     assert status == 128 + signal.SIGTERM, err
-    assert err.startswith("launch: stopped on a signal (worker ")
+    assert err.startswith("kdist-launch: stopped on a signal (worker ")
     assert_stopped_together(tmp_path, out, pids)
     other = [line for line in out if line.startswith(f"[worker {1 - index}] interrupted: ")]
     assert other and "another worker was asked to stop" in other[0]

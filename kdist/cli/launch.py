@@ -76,7 +76,7 @@ def main(argv=None):
         for s in previous:  # Further signals must not cut the bounded clean-up short.
             signal.signal(s, signal.SIG_IGN)
         stop_all(workers, args.grace)
-        print("launch: interrupted; stopped every worker", file=sys.stderr)
+        print("kdist-launch: interrupted; stopped every worker", file=sys.stderr)
         return 130
     finally:
         stop_all(workers, args.grace)  # Nothing outlives the launcher.

@@ -164,7 +164,7 @@ def start(num_workers, args):
     for index in range(num_workers):
         env[WORKER_INDEX_VARIABLE] = str(index)
         workers.append(Worker(index, worker_command(args), dict(env)))
-        _print_line(f"launch: worker {index} pid {workers[-1].proc.pid} ({peers})")
+        _print_line(f"kdist-launch: worker {index} pid {workers[-1].proc.pid} ({peers})")
     return workers
 
 
@@ -206,7 +206,7 @@ def stopped(worker, workers, grace):
     deadline = time.monotonic() + grace
     for other in workers:
         other.wait_or_kill(deadline)
-    print(f"launch: stopped on a signal (worker {worker.index} exited first, status "
+    print(f"kdist-launch: stopped on a signal (worker {worker.index} exited first, status "
           f"{worker.proc.returncode}); the others stopped too", file=sys.stderr, flush=True)
     return worker.proc.returncode
 
@@ -221,9 +221,9 @@ def fail(dead, workers, grace, what):
     """
     stop_all(workers, grace if dead is None else 0)
     if dead is None:
-        print(f"launch: error: workers {what}; stopped them all", file=sys.stderr, flush=True)
+        print(f"kdist-launch: error: workers {what}; stopped them all", file=sys.stderr, flush=True)
         return 1
-    print(f"launch: error: worker {dead.index} {what}; stopped the others. Its last lines:",
+    print(f"kdist-launch: error: worker {dead.index} {what}; stopped the others. Its last lines:",
           file=sys.stderr)
     for line in dead.last:
         print(f"  {line}", file=sys.stderr)
