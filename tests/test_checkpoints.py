@@ -3,6 +3,7 @@
 import errno
 import json
 import os
+import warnings
 
 import h5py
 import keras
@@ -126,6 +127,31 @@ def test_other_architecture_is_a_clear_error(tmp_path):
                               keras.layers.Dense(10)])
     with pytest.raises(checkpoints.CheckpointError, match="different model"):
         checkpoints.restore(other, path)
+
+
+def test_another_optimizer_is_a_clear_error_before_loading(tmp_path):
+    """Keras skips an optimizer state of another size with a warning: resuming
+    Adam's checkpoint with SGD would train on with a fresh optimizer."""
+    _, model = trained_model()
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager.prepare()
+    path = save(manager, model, 1)
+    engine = engines.create_engine(SEVERAL)
+    sgd, _ = building.build(engine, create_model, keras.optimizers.SGD, 0.1)
+    before = [keras.ops.convert_to_numpy(v) for v in sgd.weights]
+    with pytest.raises(checkpoints.CheckpointError, match=(
+            f"^{path} was written for a different model: it holds 18 state variables of "
+            r"optimizer 'optimizer', and this model's SGD has 2 \(another optimizer, or "
+            r"other weights\); start over$")):
+        checkpoints.restore(sgd, path, hint="start over")
+    for value, variable in zip(before, sgd.weights):  # Nothing loaded.
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), value)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras: the optimizer's state is skipped.
+        checkpoints.restore(sgd, path, optimizers=False)  # To evaluate: the weights load.
+    np.testing.assert_array_equal(keras.ops.convert_to_numpy(sgd.weights[0]),
+                                  keras.ops.convert_to_numpy(model.weights[0]))
 
 
 def test_unwritable_folder_fails_before_training(tmp_path):

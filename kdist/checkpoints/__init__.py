@@ -36,7 +36,7 @@ import warnings
 from kdist import hints
 from kdist.checkpoints import ckptfile, runlock
 from kdist.config import TrainConfig
-from kdist.errors import CheckpointError
+from kdist.errors import CheckpointError, InvalidCheckpoint
 
 FORMAT = ckptfile.FORMAT
 _NAME = re.compile(r"^ckpt-(\d{8})\.weights\.h5$")
@@ -273,18 +273,23 @@ def _read_verified(path):
         raise CheckpointError(f"checkpoint {path}: {_reason(e)}") from None
 
 
-def restore(model, path, hint=None):
+def restore(model, path, hint=None, optimizers=True):
     """Loads checkpoint `path` into `model` (and its compiled optimizer), once verified.
 
     Returns its metadata. Raises `CheckpointError` if it fails verification
-    or was written for another model; `hint`, what the caller's user can do
-    then, ends that error's message.
+    or was written for another model: other weight shapes, other seed
+    generators, or, with `optimizers` (training goes on from it), another
+    optimizer's state; `hint`, what the caller's user can do then, ends that
+    error's message.
     """
     data, metadata = _read_verified(path)
+    end = f"; {hint}" if hint else ""
     if metadata["signature"] != model_signature(model):
-        raise CheckpointError(f"{path} was written for a different model"
-                              + (f"; {hint}" if hint else ""))
-    ckptfile.load(model, data)
+        raise CheckpointError(f"{path} was written for a different model{end}")
+    try:
+        ckptfile.load(model, data, optimizers)
+    except InvalidCheckpoint as e:  # Its optimizers or seed generators are not the model's.
+        raise CheckpointError(f"{path} was written for a different model: {e}{end}") from None
     return metadata
 
 

@@ -109,17 +109,24 @@ def verify(data):
     return meta
 
 
-def load(model, data):
+def load(model, data, optimizers=True):
     """Loads verified checkpoint bytes `data` into `model` (and its optimizer), its
     seed generators' state included.
 
     A checkpoint moves between precisions (`kdist.precision`): the
     variables are float32 under every policy, and the optimizer state is
     translated where mixed_float16's `LossScaleOptimizer` is on one side
-    only (`_fit_optimizer_layout`). Raises InvalidCheckpoint if the file
-    holds the state of another number of seed generators than the model has.
+    only (`_fit_optimizer_layout`). Raises InvalidCheckpoint, before
+    loading anything, if `optimizers` (training goes on from the file) and
+    the file holds another count of state variables than one of the model's
+    built optimizers has (`_check_optimizer_state`); after, if it holds the
+    state of another number of seed generators than the model has.
     """
-    model.load_weights(Buffer(_fit_optimizer_layout(data, getattr(model, "optimizer", None))))
+    data = _fit_optimizer_layout(data, getattr(model, "optimizer", None))
+    with h5py.File(Buffer(data), "r") as f:
+        if optimizers:
+            _check_optimizer_state(f, model)
+    model.load_weights(Buffer(data))
     with h5py.File(Buffer(data), "r") as f:
         if SEED_GROUP not in f:
             return
@@ -134,6 +141,29 @@ def load(model, data):
 def seed_states(model):
     """The state variables of the model's `keras.random.SeedGenerator`s, in order."""
     return [v for v in model.variables if v.path.endswith("seed_generator_state")]
+
+
+def _check_optimizer_state(f, model):
+    """Raises InvalidCheckpoint if open file `f` holds, for an optimizer the
+    model holds as an attribute (`optimizer`, a GAN's `d_optimizer`: Keras
+    writes its state under that name), another count of state variables than
+    that optimizer has once built (Adam 2 per weight and 2 of its own, SGD 2 of
+    its own). Keras would skip that state with a warning and train on with a
+    fresh optimizer. An optimizer not yet built (evaluation: it holds its step
+    count and learning rate alone) is not checked."""
+    import keras  # Here: reading metadata needs no framework.
+
+    seen = set()
+    for name, value in sorted(vars(model).items()):
+        if not isinstance(value, keras.optimizers.Optimizer) or id(value) in seen:
+            continue
+        seen.add(id(value))
+        has = len(value.variables)
+        holds = len(f[f"{name}/vars"]) if f"{name}/vars" in f else 0
+        if value.built and holds != has:
+            raise InvalidCheckpoint(
+                f"it holds {holds} state variables of optimizer {name!r}, and this model's "
+                f"{type(value).__name__} has {has} (another optimizer, or other weights)")
 
 
 def _fit_optimizer_layout(data, optimizer):

@@ -46,7 +46,8 @@ def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_s
     model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
                                          model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
                                          train=False, precision=precision)
-    checkpoints.restore(model, path, hint="evaluate it with the model it was trained with")
+    checkpoints.restore(model, path, hint="evaluate it with the model it was trained with",
+                        optimizers=False)  # Evaluation does not read their state.
     if not step.evaluates:
         raise UsageError(f"{type(model).__name__} defines train_step but no test_step; "
                          "define test_step(data) to evaluate it")
