@@ -1,5 +1,6 @@
 """The loop: resume equals an uninterrupted run, bad losses stop cleanly, runs repeat."""
 
+import dataclasses
 import os
 
 import h5py
@@ -216,3 +217,44 @@ def test_checkpoints_by_steps_and_minutes_land_mid_epoch_and_resume_bitwise(tmp_
     assert a.keys() == b.keys()
     for key in a:
         assert np.array_equal(a[key], b[key]), key
+
+
+def test_a_resume_with_another_global_batch_counts_in_its_own_batches(tmp_path):
+    """A checkpoint counts global batches: in the middle of an epoch another global
+    batch is refused (it would train some examples twice, or skip some); at an epoch's
+    end it resumes, and a stream of unknown length is measured again, not cut at the
+    checkpoint's step count (which would train half the epoch)."""
+    from test_fit_parity import classification_data, regularized_classifier
+
+    import kdist
+    from kdist.errors import UsageError
+
+    x, y = classification_data(480 + 32, seed=4)
+
+    def batches(epoch):  # Unknown length: 15 global batches of 32, 30 of 16.
+        for start in range(0, 480, 40):
+            yield x[start:start + 40], y[start:start + 40]
+
+    def test_batches():
+        yield x[480:], y[480:]
+
+    data = kdist.Inputs(train=batches, test=test_batches)
+    first = training.TrainConfig(epochs=1, batch_size_per_replica=32, replicas=1,
+                                 steps_per_execution=4, checkpoint_every_steps=8,
+                                 checkpoint_dir=str(tmp_path))
+    training.train_and_evaluate(first, data, model_fn=regularized_classifier, log=print)
+    end, middle = tmp_path / "ckpt-00000015.weights.h5", tmp_path / "ckpt-00000008.weights.h5"
+    assert end.exists() and middle.exists()
+
+    smaller = dataclasses.replace(first, epochs=2, batch_size_per_replica=16)
+    os.rename(end, tmp_path / "end")  # The newest is now the mid-epoch one.
+    with pytest.raises(UsageError, match=(
+            r"ckpt-00000008.weights.h5 stops in the middle of epoch 1, after 8 global "
+            r"batches of 32; this run's global batch is 16 \(batch_size_per_replica x "
+            r"replicas\): resume with a global batch of 32 to finish the epoch, or "
+            r"resume=False$")):
+        training.train_and_evaluate(smaller, data, model_fn=regularized_classifier)
+    os.rename(tmp_path / "end", end)
+    result = training.train_and_evaluate(smaller, data, model_fn=regularized_classifier)
+    assert [e["epoch"] for e in result.epochs] == [1, 2]
+    assert os.path.basename(result.restored["checkpoint"]) == "ckpt-00000060.weights.h5"

@@ -58,8 +58,8 @@ class Run:
             self.dynamic_loss_scale = any(isinstance(o, keras.optimizers.LossScaleOptimizer)
                                           for o in self.step.optimizers)
             building.check_labels(dataset, self.model)
-            self.position, self.note, steps = resume_position(config, self.manager,
-                                                               self.model, self.step)
+            self.position, self.note, steps = resume_position(
+                config, self.manager, self.model, self.step, self.global_batch)
             self.steps = self.steps if self.steps is not None else steps
             self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
                                                self.global_batch)
@@ -194,11 +194,14 @@ class Run:
         return due
 
 
-def resume_position(config, manager, model, step):
+def resume_position(config, manager, model, step, global_batch):
     """Restores the newest checkpoint unless told not to.
 
     Returns (the `Position` to start from, a note for the banner, the steps
-    per epoch the checkpoint records, if any).
+    per epoch the checkpoint records, if any, and if it was written with
+    this run's `global_batch`). A checkpoint in the middle of an epoch
+    resumes only with the global batch it was written with: its position
+    and its statistics count global batches of that size.
     """
     if not config.resume and manager.paths():
         return records.Position(), ("starting over (--no-resume): this run's first "
@@ -212,6 +215,13 @@ def resume_position(config, manager, model, step):
     if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
         model.optimizer.learning_rate.assign(config.learning_rate)
     position = records.Position.from_metadata(meta)
+    written = meta.get("global_batch_size", global_batch)  # Older checkpoints lack it.
+    if position.step_in_epoch and written != global_batch:
+        raise UsageError(
+            f"{path} stops in the middle of epoch {position.epoch + 1}, after "
+            f"{position.step_in_epoch} global batches of {written}; this run's global batch "
+            f"is {global_batch} (--batch-size-per-replica x replicas): resume with a global "
+            f"batch of {written} to finish the epoch, or --no-resume")
     if position.step_in_epoch:
         totals = totals_from_json(position.totals, step)
         if totals is None:
@@ -223,9 +233,10 @@ def resume_position(config, manager, model, step):
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
     if position.stopped:
         where += ", where a callback stopped training: nothing left to train"
+    steps = meta.get("steps_per_epoch") if written == global_batch else None
     return position, (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
-        f"with {meta['replicas']} replica(s))"), meta.get("steps_per_epoch")
+        f"with {meta['replicas']} replica(s))"), steps
 
 
 def step_callback(step, epoch, first_step, global_batch, progress, calls):
