@@ -220,8 +220,9 @@ def test_checkpoints_by_steps_and_minutes_land_mid_epoch_and_resume_bitwise(tmp_
 
 
 def test_a_resume_with_another_global_batch_counts_in_its_own_batches(tmp_path):
-    """A checkpoint counts global batches: in the middle of an epoch another global
-    batch is refused (it would train some examples twice, or skip some); at an epoch's
+    """A checkpoint counts global batches of its seed's order: in the middle of an
+    epoch another global batch or seed is refused (it would train some examples
+    twice, and skip some); at an epoch's
     end it resumes, and a stream of unknown length is measured again, not cut at the
     checkpoint's step count (which would train half the epoch)."""
     from test_fit_parity import classification_data, regularized_classifier
@@ -254,6 +255,11 @@ def test_a_resume_with_another_global_batch_counts_in_its_own_batches(tmp_path):
             r"replicas\): resume with a global batch of 32 to finish the epoch, or "
             r"resume=False$")):
         training.train_and_evaluate(smaller, data, model_fn=regularized_classifier)
+    with pytest.raises(UsageError, match=(  # Another order of the epoch's examples.
+            r"stops in the middle of epoch 1, in the example order of seed 0; this run's is "
+            r"1: resume with seed=0 to finish the epoch, or resume=False$")):
+        training.train_and_evaluate(dataclasses.replace(first, seed=1), data,
+                                    model_fn=regularized_classifier)
     os.rename(tmp_path / "end", end)
     result = training.train_and_evaluate(smaller, data, model_fn=regularized_classifier)
     assert [e["epoch"] for e in result.epochs] == [1, 2]

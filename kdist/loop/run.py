@@ -200,8 +200,8 @@ def resume_position(config, manager, model, step, global_batch):
     Returns (the `Position` to start from, a note for the banner, the steps
     per epoch the checkpoint records, if any, and if it was written with
     this run's `global_batch`). A checkpoint in the middle of an epoch
-    resumes only with the global batch it was written with: its position
-    and its statistics count global batches of that size.
+    resumes only with the global batch and seed it was written with
+    (`_check_mid_epoch`).
     """
     if not config.resume and manager.paths():
         return records.Position(), ("starting over (--no-resume): this run's first "
@@ -216,13 +216,9 @@ def resume_position(config, manager, model, step, global_batch):
         model.optimizer.learning_rate.assign(config.learning_rate)
     position = records.Position.from_metadata(meta)
     written = meta.get("global_batch_size", global_batch)  # Older checkpoints lack it.
-    if position.step_in_epoch and written != global_batch:
-        raise UsageError(
-            f"{path} stops in the middle of epoch {position.epoch + 1}, after "
-            f"{position.step_in_epoch} global batches of {written}; this run's global batch "
-            f"is {global_batch} (--batch-size-per-replica x replicas): resume with a global "
-            f"batch of {written} to finish the epoch, or --no-resume")
     if position.step_in_epoch:
+        _check_mid_epoch(path, position, written, global_batch, meta.get("seed", config.seed),
+                         config.seed)
         totals = totals_from_json(position.totals, step)
         if totals is None:
             raise UsageError(f"{path} stops in the middle of epoch {position.epoch + 1} and "
@@ -237,6 +233,24 @@ def resume_position(config, manager, model, step, global_batch):
     return position, (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
         f"with {meta['replicas']} replica(s))"), steps
+
+
+def _check_mid_epoch(path, position, written_batch, global_batch, written_seed, seed):
+    """Raises UsageError unless a checkpoint in the middle of an epoch resumes with
+    the global batch and the seed it was written with: it counts global batches
+    of the epoch's example order (another would train some examples twice and
+    skip others)."""
+    where = f"{path} stops in the middle of epoch {position.epoch + 1}"
+    if written_batch != global_batch:
+        raise UsageError(
+            f"{where}, after {position.step_in_epoch} global batches of {written_batch}; "
+            f"this run's global batch is {global_batch} (--batch-size-per-replica x "
+            f"replicas): resume with a global batch of {written_batch} to finish the epoch, "
+            "or --no-resume")
+    if written_seed != seed:
+        raise UsageError(
+            f"{where}, in the example order of seed {written_seed}; this run's is {seed}: "
+            f"resume with --seed {written_seed} to finish the epoch, or --no-resume")
 
 
 def step_callback(step, epoch, first_step, global_batch, progress, calls):
