@@ -1,6 +1,7 @@
 """The loop: resume equals an uninterrupted run, bad losses stop cleanly, runs repeat."""
 
 import dataclasses
+import json
 import os
 
 import h5py
@@ -220,8 +221,9 @@ def test_checkpoints_by_steps_and_minutes_land_mid_epoch_and_resume_bitwise(tmp_
 
 
 def test_a_resume_with_another_global_batch_counts_in_its_own_batches(tmp_path):
-    """A checkpoint counts global batches of its seed's order: in the middle of an
-    epoch another global batch or seed is refused (it would train some examples
+    """A checkpoint counts global batches of its seed's order (or of each worker's
+    own share): in the middle of an epoch another global batch, seed or count of
+    workers reading their own shares is refused (it would train some examples
     twice, and skip some); at an epoch's
     end it resumes, and a stream of unknown length is measured again, not cut at the
     checkpoint's step count (which would train half the epoch)."""
@@ -259,6 +261,17 @@ def test_a_resume_with_another_global_batch_counts_in_its_own_batches(tmp_path):
             r"stops in the middle of epoch 1, in the example order of seed 0; this run's is "
             r"1: resume with seed=0 to finish the epoch, or resume=False$")):
         training.train_and_evaluate(dataclasses.replace(first, seed=1), data,
+                                    model_fn=regularized_classifier)
+    with h5py.File(middle, "a") as f:  # As if 2 workers had written it (not checksummed).
+        f.attrs["kdist"] = json.dumps(dict(json.loads(f.attrs["kdist"]), workers=2))
+
+    def shares(epoch, shard):  # Each worker's own share: 2 workers read other examples.
+        yield from batches(epoch)
+
+    with pytest.raises(UsageError, match=(
+            r"epoch 1, where each of 2 processes read its own share of the training data; "
+            r"this run has 1 such: resume with 2 \(workers; on torch, replicas\)")):
+        training.train_and_evaluate(first, kdist.Inputs(train=shares, test=test_batches),
                                     model_fn=regularized_classifier)
     os.rename(tmp_path / "end", end)
     result = training.train_and_evaluate(smaller, data, model_fn=regularized_classifier)

@@ -59,7 +59,8 @@ class Run:
                                           for o in self.step.optimizers)
             building.check_labels(dataset, self.model)
             self.position, self.note, steps = resume_position(
-                config, self.manager, self.model, self.step, self.global_batch)
+                config, self.manager, self.model, self.step, self.global_batch,
+                workers=(self.engine.shard[1], getattr(dataset.train, "own_shares", False)))
             self.steps = self.steps if self.steps is not None else steps
             self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
                                                self.global_batch)
@@ -142,7 +143,8 @@ class Run:
         self._log_writes(log, progress, self.writer.save(
             self.model, step=step, metadata=dict(
                 position.as_metadata(), seed=self.config.seed, backend=self.engine.backend,
-                replicas=self.engine.num_replicas, global_batch_size=self.global_batch,
+                replicas=self.engine.num_replicas, workers=self.engine.shard[1],
+                global_batch_size=self.global_batch,
                 steps_per_epoch=self.steps)))
         self.saved_step, self.saved_time = step, time.monotonic()
 
@@ -194,13 +196,14 @@ class Run:
         return due
 
 
-def resume_position(config, manager, model, step, global_batch):
+def resume_position(config, manager, model, step, global_batch, workers=(1, False)):
     """Restores the newest checkpoint unless told not to.
 
     Returns (the `Position` to start from, a note for the banner, the steps
     per epoch the checkpoint records, if any, and if it was written with
-    this run's `global_batch`). A checkpoint in the middle of an epoch
-    resumes only with the global batch and seed it was written with
+    this run's `global_batch`). `workers`: (this run's reading processes,
+    `engine.shard[1]`; whether each reads its own share of the training data). A checkpoint in the
+    middle of an epoch resumes only where it counts the same examples
     (`_check_mid_epoch`).
     """
     if not config.resume and manager.paths():
@@ -217,8 +220,7 @@ def resume_position(config, manager, model, step, global_batch):
     position = records.Position.from_metadata(meta)
     written = meta.get("global_batch_size", global_batch)  # Older checkpoints lack it.
     if position.step_in_epoch:
-        _check_mid_epoch(path, position, written, global_batch, meta.get("seed", config.seed),
-                         config.seed)
+        _check_mid_epoch(path, position, meta, global_batch, config.seed, workers)
         totals = totals_from_json(position.totals, step)
         if totals is None:
             raise UsageError(f"{path} stops in the middle of epoch {position.epoch + 1} and "
@@ -235,12 +237,17 @@ def resume_position(config, manager, model, step, global_batch):
         f"with {meta['replicas']} replica(s))"), steps
 
 
-def _check_mid_epoch(path, position, written_batch, global_batch, written_seed, seed):
+def _check_mid_epoch(path, position, meta, global_batch, seed, workers):
     """Raises UsageError unless a checkpoint in the middle of an epoch resumes with
-    the global batch and the seed it was written with: it counts global batches
-    of the epoch's example order (another would train some examples twice and
-    skip others)."""
+    the global batch and the seed it was written with, and, where each process
+    reads its own share of the data, their count (`engine.shard`: workers; on
+    torch, replicas): it counts global batches of the epoch's example order, or
+    of each process's share (another would train some examples twice and skip
+    others). What an older checkpoint does not record is not checked."""
     where = f"{path} stops in the middle of epoch {position.epoch + 1}"
+    written_batch = meta.get("global_batch_size", global_batch)
+    written_seed = meta.get("seed", seed)
+    written_workers = meta.get("workers", workers[0])
     if written_batch != global_batch:
         raise UsageError(
             f"{where}, after {position.step_in_epoch} global batches of {written_batch}; "
@@ -251,6 +258,11 @@ def _check_mid_epoch(path, position, written_batch, global_batch, written_seed, 
         raise UsageError(
             f"{where}, in the example order of seed {written_seed}; this run's is {seed}: "
             f"resume with --seed {written_seed} to finish the epoch, or --no-resume")
+    if workers[1] and written_workers != workers[0]:
+        raise UsageError(
+            f"{where}, where each of {written_workers} processes read its own share of the "
+            f"training data; this run has {workers[0]} such: resume with {written_workers} "
+            "(workers; on torch, replicas) to finish the epoch, or --no-resume")
 
 
 def step_callback(step, epoch, first_step, global_batch, progress, calls):
