@@ -202,9 +202,9 @@ def resume_position(config, manager, model, step, global_batch, workers=(1, Fals
     Returns (the `Position` to start from, a note for the banner, the steps
     per epoch the checkpoint records, if any, and if it was written with
     this run's `global_batch`). `workers`: (this run's reading processes,
-    `engine.shard[1]`; whether each reads its own share of the training data). A checkpoint in the
-    middle of an epoch resumes only where it counts the same examples
-    (`_check_mid_epoch`).
+    `engine.shard[1]`; whether each reads its own share of the training
+    data). A checkpoint in the middle of an epoch resumes only where it
+    counts the same examples (`_check_mid_epoch`).
     """
     if not config.resume and manager.paths():
         return records.Position(), ("starting over (--no-resume): this run's first "
