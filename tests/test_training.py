@@ -277,3 +277,29 @@ def test_a_resume_with_another_global_batch_counts_in_its_own_batches(tmp_path):
     result = training.train_and_evaluate(smaller, data, model_fn=regularized_classifier)
     assert [e["epoch"] for e in result.epochs] == [1, 2]
     assert os.path.basename(result.restored["checkpoint"]) == "ckpt-00000060.weights.h5"
+
+
+def test_a_mid_epoch_resume_with_other_training_examples_is_refused(tmp_path):
+    """Arrays are shuffled by their count: with another count a mid-epoch position
+    names other examples."""
+    from test_fit_parity import classification_data, regularized_classifier
+
+    import kdist
+    from kdist.errors import UsageError
+
+    x, y = classification_data(512, seed=5)
+    settings = dict(epochs=1, batch_size_per_replica=32, replicas=1, steps_per_execution=4,
+                    checkpoint_dir=str(tmp_path))
+    training.train_and_evaluate(
+        training.TrainConfig(**settings, checkpoint_every_steps=8),
+        kdist.Dataset(x[:480], y[:480], x[480:], y[480:], "toy"),
+        model_fn=regularized_classifier)
+    os.remove(tmp_path / "ckpt-00000015.weights.h5")  # The newest: 8 batches into epoch 1.
+    with pytest.raises(UsageError, match=(
+            r"ckpt-00000008.weights.h5 stops in the middle of epoch 1, in an order of 480 "
+            r"training examples; this run has 448: resume with that training data to "
+            r"finish the epoch, or resume=False$")):
+        training.train_and_evaluate(
+            training.TrainConfig(**settings), kdist.Dataset(x[:448], y[:448], x[480:],
+                                                            y[480:], "toy"),
+            model_fn=regularized_classifier)

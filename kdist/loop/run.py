@@ -40,6 +40,9 @@ class Run:
                              f"global batch of {self.global_batch}; lower "
                              "--batch-size-per-replica")
         self.limit = self.steps if self.steps is not None else config.steps_per_epoch
+        # What a position in an epoch counts in; in every checkpoint's metadata.
+        self.order = dict(global_batch_size=self.global_batch, seed=config.seed,
+                          workers=self.engine.shard[1], train_examples=dataset.size("train"))
         self.train_chunk = min(config.steps_per_execution,  # Compiled steps.
                                self.limit or config.steps_per_execution)
         self.manager = checkpoints.CheckpointManager(config.checkpoint_dir, config.keep)
@@ -59,8 +62,8 @@ class Run:
                                           for o in self.step.optimizers)
             building.check_labels(dataset, self.model)
             self.position, self.note, steps = resume_position(
-                config, self.manager, self.model, self.step, self.global_batch,
-                workers=(self.engine.shard[1], getattr(dataset.train, "own_shares", False)))
+                config, self.manager, self.model, self.step, self.order,
+                own_shares=getattr(dataset.train, "own_shares", False))
             self.steps = self.steps if self.steps is not None else steps
             self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
                                                self.global_batch)
@@ -142,10 +145,8 @@ class Run:
         step = position.global_step(self.steps or 0)
         self._log_writes(log, progress, self.writer.save(
             self.model, step=step, metadata=dict(
-                position.as_metadata(), seed=self.config.seed, backend=self.engine.backend,
-                replicas=self.engine.num_replicas, workers=self.engine.shard[1],
-                global_batch_size=self.global_batch,
-                steps_per_epoch=self.steps)))
+                position.as_metadata(), **self.order, backend=self.engine.backend,
+                replicas=self.engine.num_replicas, steps_per_epoch=self.steps)))
         self.saved_step, self.saved_time = step, time.monotonic()
 
     def report_writes(self, log, wait=False, progress=None):
@@ -196,15 +197,15 @@ class Run:
         return due
 
 
-def resume_position(config, manager, model, step, global_batch, workers=(1, False)):
+def resume_position(config, manager, model, step, order, own_shares=False):
     """Restores the newest checkpoint unless told not to.
 
     Returns (the `Position` to start from, a note for the banner, the steps
     per epoch the checkpoint records, if any, and if it was written with
-    this run's `global_batch`). `workers`: (this run's reading processes,
-    `engine.shard[1]`; whether each reads its own share of the training
-    data). A checkpoint in the middle of an epoch resumes only where it
-    counts the same examples (`_check_mid_epoch`).
+    this run's global batch). `order`: this run's `Run.order`; `own_shares`:
+    whether each worker reads its own share of the training data. A
+    checkpoint in the middle of an epoch resumes only where it counts the
+    same examples (`_check_mid_epoch`).
     """
     if not config.resume and manager.paths():
         return records.Position(), ("starting over (--no-resume): this run's first "
@@ -218,9 +219,8 @@ def resume_position(config, manager, model, step, global_batch, workers=(1, Fals
     if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
         model.optimizer.learning_rate.assign(config.learning_rate)
     position = records.Position.from_metadata(meta)
-    written = meta.get("global_batch_size", global_batch)  # Older checkpoints lack it.
     if position.step_in_epoch:
-        _check_mid_epoch(path, position, meta, global_batch, config.seed, workers)
+        _check_mid_epoch(path, position, meta, order, own_shares)
         totals = totals_from_json(position.totals, step)
         if totals is None:
             raise UsageError(f"{path} stops in the middle of epoch {position.epoch + 1} and "
@@ -231,38 +231,46 @@ def resume_position(config, manager, model, step, global_batch, workers=(1, Fals
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
     if position.stopped:
         where += ", where a callback stopped training: nothing left to train"
-    steps = meta.get("steps_per_epoch") if written == global_batch else None
+    same_batch = meta.get("global_batch_size") in (None, order["global_batch_size"])
+    steps = meta.get("steps_per_epoch") if same_batch else None
     return position, (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
         f"with {meta['replicas']} replica(s))"), steps
 
 
-def _check_mid_epoch(path, position, meta, global_batch, seed, workers):
-    """Raises UsageError unless a checkpoint in the middle of an epoch resumes with
-    the global batch and the seed it was written with, and, where each process
-    reads its own share of the data, their count (`engine.shard`: workers; on
-    torch, replicas): it counts global batches of the epoch's example order, or
-    of each process's share (another would train some examples twice and skip
-    others). What an older checkpoint does not record is not checked."""
+def _check_mid_epoch(path, position, meta, order, own_shares):
+    """Raises UsageError unless a checkpoint in the middle of an epoch resumes in
+    the example order it was written in (`Run.order`): the same global batch,
+    seed and training examples and, where each worker reads its own share
+    (`own_shares`), as many workers (`engine.shard`; on torch, replicas).
+    Another would train some examples twice and skip others. What an older
+    checkpoint does not record, or a stream of unknown size, is not checked."""
     where = f"{path} stops in the middle of epoch {position.epoch + 1}"
-    written_batch = meta.get("global_batch_size", global_batch)
-    written_seed = meta.get("seed", seed)
-    written_workers = meta.get("workers", workers[0])
-    if written_batch != global_batch:
+    written = {key: meta.get(key, now) for key, now in order.items()}
+    if written["global_batch_size"] != order["global_batch_size"]:
         raise UsageError(
-            f"{where}, after {position.step_in_epoch} global batches of {written_batch}; "
-            f"this run's global batch is {global_batch} (--batch-size-per-replica x "
-            f"replicas): resume with a global batch of {written_batch} to finish the epoch, "
+            f"{where}, after {position.step_in_epoch} global batches of "
+            f"{written['global_batch_size']}; this run's global batch is "
+            f"{order['global_batch_size']} (--batch-size-per-replica x replicas): resume "
+            f"with a global batch of {written['global_batch_size']} to finish the epoch, "
             "or --no-resume")
-    if written_seed != seed:
+    if written["seed"] != order["seed"]:
         raise UsageError(
-            f"{where}, in the example order of seed {written_seed}; this run's is {seed}: "
-            f"resume with --seed {written_seed} to finish the epoch, or --no-resume")
-    if workers[1] and written_workers != workers[0]:
+            f"{where}, in the example order of seed {written['seed']}; this run's is "
+            f"{order['seed']}: resume with --seed {written['seed']} to finish the epoch, "
+            "or --no-resume")
+    if written["train_examples"] != order["train_examples"] and None not in (
+            written["train_examples"], order["train_examples"]):
         raise UsageError(
-            f"{where}, where each of {written_workers} processes read its own share of the "
-            f"training data; this run has {workers[0]} such: resume with {written_workers} "
-            "(workers; on torch, replicas) to finish the epoch, or --no-resume")
+            f"{where}, in an order of {written['train_examples']:,} training examples; "
+            f"this run has {order['train_examples']:,}: resume with that training data to "
+            "finish the epoch, or --no-resume")
+    if own_shares and written["workers"] != order["workers"]:
+        raise UsageError(
+            f"{where}, where each of {written['workers']} processes read its own share of "
+            f"the training data; this run has {order['workers']} such: resume with "
+            f"{written['workers']} (workers; on torch, replicas) to finish the epoch, or "
+            "--no-resume")
 
 
 def step_callback(step, epoch, first_step, global_batch, progress, calls):
