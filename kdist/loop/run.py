@@ -219,8 +219,9 @@ def resume_position(config, manager, model, step, order, own_shares=False):
     if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
         model.optimizer.learning_rate.assign(config.learning_rate)
     position = records.Position.from_metadata(meta)
+    written = {key: meta.get(key, now) for key, now in order.items()}  # Older: not all.
     if position.step_in_epoch:
-        _check_mid_epoch(path, position, meta, order, own_shares)
+        _check_mid_epoch(path, position, written, order, own_shares)
         totals = totals_from_json(position.totals, step)
         if totals is None:
             raise UsageError(f"{path} stops in the middle of epoch {position.epoch + 1} and "
@@ -231,22 +232,22 @@ def resume_position(config, manager, model, step, order, own_shares=False):
              if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
     if position.stopped:
         where += ", where a callback stopped training: nothing left to train"
-    same_batch = meta.get("global_batch_size") in (None, order["global_batch_size"])
+    same_batch = written["global_batch_size"] == order["global_batch_size"]
     steps = meta.get("steps_per_epoch") if same_batch else None
     return position, (
         f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
         f"with {meta['replicas']} replica(s))"), steps
 
 
-def _check_mid_epoch(path, position, meta, order, own_shares):
+def _check_mid_epoch(path, position, written, order, own_shares):
     """Raises UsageError unless a checkpoint in the middle of an epoch resumes in
-    the example order it was written in (`Run.order`): the same global batch,
-    seed and training examples and, where each worker reads its own share
+    the example order it was written in (`written`, its `Run.order` with this
+    run's values where it records none): the same global batch, seed and
+    training examples and, where each worker reads its own share
     (`own_shares`), as many workers (`engine.shard`; on torch, replicas).
     Another would train some examples twice and skip others. What an older
     checkpoint does not record, or a stream of unknown size, is not checked."""
     where = f"{path} stops in the middle of epoch {position.epoch + 1}"
-    written = {key: meta.get(key, now) for key, now in order.items()}
     if written["global_batch_size"] != order["global_batch_size"]:
         raise UsageError(
             f"{where}, after {position.step_in_epoch} global batches of "
