@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# kdist on a GPU machine: the environment, `bench.py` (kdist against Keras fit)
-# at two batch sizes and every precision bench.py takes, and a short train.py
-# run, for each backend the machine has. One call, results under $OUT.
+# kdist on a GPU machine, one call, results under $OUT: the environment; then,
+# for each backend the machine has, `kdist-bench` (kdist against Keras fit,
+# paired epoch by epoch, float32 and mixed_bfloat16) at global batches 64 and
+# 1,024 on one GPU, that backend's plain peer at the same batches (JAX: optax,
+# scripts/jax_optax_loop.py; torch: DDP, scripts/ddp_baseline.py; TensorFlow:
+# the tutorial's loop), and a short `kdist-train` run, saved and restored.
 #
 #   OUT=gpu-results bash scripts/gpu_check.sh
 #
 # Wheels in .whl/ (keras and what the machine lacks) are installed first, to
-# /tmp/site, without the network.
+# /tmp/site, without the network. GPU_CHECK_STEPS=N shortens every timed epoch
+# to N steps (a dry run on a CPU machine).
 set -u
 OUT=${OUT:-gpu-results}
 mkdir -p "$OUT"
@@ -21,26 +25,33 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     date -u
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     lscpu | grep -E "Model name|^CPU\(s\)"
-    KERAS_BACKEND=jax python3 -c "import jax, keras; print('jax', jax.__version__, jax.devices(), 'keras', keras.__version__)"
+    python3 --version
+    python3 -c "import keras; print('keras', keras.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 
-precisions=float32
-if python3 scripts/bench.py --help 2>/dev/null | grep -q -- "--precision"; then
-    precisions=float32,mixed_bfloat16,mixed_float16
-fi
-for backend in jax tensorflow; do
-    if ! KERAS_BACKEND=$backend python3 -c "import keras" 2>/dev/null \
-        || ! python3 -c "import $backend" 2>/dev/null; then
+declare -A peer=([jax]=jax_optax_loop.py [torch]=ddp_baseline.py [tensorflow]=tf_tutorial_loop.py)
+for backend in jax torch tensorflow; do
+    export KERAS_BACKEND=$backend
+    if ! python3 -c "import $backend, keras" 2>/dev/null; then
         echo "$backend: not installed on this machine" | tee -a "$OUT/env.txt"
         continue
     fi
     for batch in 64 1024; do
-        args=(--synthetic --batch-size-per-replica "$batch" --steps 100 --windows 3)
-        if [ "$precisions" != float32 ]; then args+=(--precision "$precisions"); fi
-        KERAS_BACKEND=$backend timeout 240 python3 scripts/bench.py "${args[@]}" 2>&1 \
-            | tee "$OUT/bench-$backend-$batch.txt"
-    done
-    KERAS_BACKEND=$backend timeout 180 python3 scripts/train.py --synthetic --epochs 2 \
-        --steps-per-epoch 300 --checkpoint-dir "/tmp/kdist-gpu-$backend" --quiet 2>&1 \
-        | tee "$OUT/train-$backend.txt"
+        # 25,600 and 51,200 examples an epoch (--synthetic has 60,000).
+        steps=${GPU_CHECK_STEPS:-$((batch == 64 ? 400 : 50))}
+        echo "== $backend, global batch $batch, $steps steps an epoch"
+        timeout 110 python3 scripts/bench.py --synthetic --no-peak --replicas 1 \
+            --batch-size-per-replica "$batch" --steps "$steps" --windows 3 \
+            --precision float32,mixed_bfloat16
+        timeout 45 python3 "scripts/${peer[$backend]}" --replicas 1 \
+            --batch-size-per-replica "$batch" --steps "$steps" --windows 3
+    done 2>&1 | tee "$OUT/bench-$backend.txt"
+    {
+        echo "== $backend, kdist-train, then the same command restored"
+        for _ in 1 2; do
+            timeout 50 python3 scripts/train.py --synthetic 12000 --epochs 2 \
+                --checkpoint-dir "/tmp/kdist-gpu-$backend"
+        done
+    } 2>&1 | tee "$OUT/train-$backend.txt"
 done
+grep -h '^{' "$OUT"/bench-*.txt > "$OUT/results.jsonl"
