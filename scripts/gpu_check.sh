@@ -26,7 +26,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     lscpu | grep -E "Model name|^CPU\(s\)"
     python3 --version
-    python3 -c "import keras; print('keras', keras.__version__)"
+    KERAS_BACKEND=jax python3 -c "import keras; print('keras', keras.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 
 declare -A peer=([jax]=jax_optax_loop.py [torch]=ddp_baseline.py [tensorflow]=tf_tutorial_loop.py)

@@ -4,7 +4,8 @@
 
 The tutorial CNN at a batch of 64 with Adam, built by kdist as `kdist-bench` builds it,
 the same with Keras' stock layers, and the same network in torch.nn
-(`scripts/ddp_baseline.py`'s), on the same synthetic batches in one process. They take
+(`scripts/ddp_baseline.py`'s), on the same synthetic batches in one process, on the
+GPU where there is one (the operators' CPU time is then their dispatch and launch). They take
 turns, `--steps` steps each per round; each line gives kdist's speed / the other's, the
 median of the rounds' paired ratios (below 1: the other is faster). Then one round of
 each under `torch.profiler`: the operators' own CPU time by kind, and the rest of the
@@ -34,6 +35,8 @@ startup.prepare_environment()  # Before Keras loads: kdist-bench's memory settin
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from ddp_baseline import cnn  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # As kdist's engine.
 
 # Operator name fragments -> the kind the table reports them under (first match wins).
 KINDS = (("convolution", "convolution"), ("conv2d", "convolution"), ("addmm", "matmul"),
@@ -71,13 +74,14 @@ def kdist_steps(batches, fast_layers=True):
 
 
 def plain_steps(batches):
-    """The same steps in plain PyTorch: torch.nn, torch.optim.Adam, cross-entropy."""
+    """The same steps in plain PyTorch: torch.nn, torch.optim.Adam, cross-entropy,
+    on kdist's device (the GPU where there is one), the batches there already."""
     torch.manual_seed(0)
-    model = cnn()
+    model = cnn().to(DEVICE)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss_fn = torch.nn.CrossEntropyLoss()
-    tensors = [(torch.from_numpy(x).permute(0, 3, 1, 2).contiguous(),
-                torch.from_numpy(y).long()) for x, y in batches]
+    tensors = [(torch.from_numpy(x).permute(0, 3, 1, 2).contiguous().to(DEVICE),
+                torch.from_numpy(y).long().to(DEVICE)) for x, y in batches]
 
     def run(count):
         for k in range(count):
@@ -153,7 +157,7 @@ def main():
     for _ in range(args.rounds):
         for name, fn in runs.items():
             seconds[name].append(timed(fn, args.steps))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch "
+    print(f"torch {torch.__version__} on {DEVICE}, {torch.get_num_threads()} threads, batch "
           f"{args.batch_size}, {args.steps} steps x {args.rounds} rounds")
     for name, times in seconds.items():
         ratios = [t / k for k, t in zip(seconds["kdist"], times)]
