@@ -114,10 +114,17 @@ def test_batch_that_does_not_split_across_replicas_is_a_clear_error(batch):
         chunks.run_steps(engine, engine.eval_chunk, [odd], chunks.zero_totals(step))
 
 
+# JAX runs a chunk's steps in one program on accelerators, one call per step on CPUs.
+ONE_PROGRAM = [False, True] if keras.backend.backend() == "jax" else [None]
+
+
+@pytest.mark.parametrize("one_program", ONE_PROGRAM)
 @pytest.mark.parametrize("replicas", [1, 2])
-def test_chunked_steps_match_single_steps(small_dataset, replicas):
-    def weights(steps_per_execution):
+def test_chunked_steps_match_single_steps(small_dataset, replicas, one_program):
+    def weights(steps_per_execution, one_program=None):
         engine = engines.create_engine(replicas)
+        if one_program is not None:
+            engine.steps_in_one_program = one_program
         keras.utils.set_random_seed(3)
         # Adam: a padding step applied by mistake would move the weights even
         # with zero gradients (momentum), where SGD would not show it.
@@ -129,11 +136,15 @@ def test_chunked_steps_match_single_steps(small_dataset, replicas):
                                        steps_per_execution=steps_per_execution)
         engine.sync_to_model()
         assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 5
+        assert engine.compiled_train_programs() == 1
         return [np.array(w) for w in model.get_weights()], totals, done
 
     single, single_totals, _ = weights(1)
-    chunked, chunked_totals, done = weights(4)  # A chunk of 4, then 1 step + 3 of padding.
+    # A chunk of 4, then 1 step + 3 of padding.
+    chunked, chunked_totals, done = weights(4, one_program)
     assert done == 5 and chunked_totals["count"] == single_totals["count"] == 160
+    np.testing.assert_allclose(chunked_totals["loss_sum"], single_totals["loss_sum"],
+                               rtol=1e-5)
     for a, b in zip(single, chunked):
         np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
 

@@ -87,6 +87,9 @@ class Engine(contract.Engine):
         keras.distribution.set_distribution(self.distribution)
         self.devices = ([str(d) for d in self.distribution.device_mesh.devices.flat]
                         if self.distribution else [str(jax.local_devices()[0])])
+        # Read by `compile_steps`: a CPU runs one call per step, an accelerator a
+        # chunk's steps in one program (`train_chunk` says why).
+        self.steps_in_one_program = jax.local_devices()[0].platform != "cpu"
         if self.distribution is not None:  # Variables everywhere; chunks split on batch.
             mesh = self.distribution.device_mesh.backend_mesh
             self._replicated = NamedSharding(mesh, PartitionSpec())
@@ -126,8 +129,9 @@ class Engine(contract.Engine):
         def eval_step(state, batch):
             return run(state, batch, False)[1]
 
-        # One optimizer step per compiled call (`train_chunk`).
-        self._train_step: Any = (jax.jit(_indexed(train_step), donate_argnums=0)
+        # One optimizer step per compiled call, or a chunk's steps (`train_chunk`).
+        chunked = _train_chunk(jax.jit(train_step)) if self.steps_in_one_program else None
+        self._train_step: Any = (jax.jit(chunked or _indexed(train_step), donate_argnums=0)
                                  if program.trains else None)
         self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), program.zero_statistics))
         self._eval_whole = jax.jit(eval_step)
@@ -158,17 +162,22 @@ class Engine(contract.Engine):
             lambda a: jax.make_array_from_process_local_data(self._chunk_sharding, a), stacked)
 
     def train_chunk(self, chunk, num_steps):
-        """Runs the chunk's first `num_steps` optimizer steps, one compiled call
-        each; blocks until done.
+        """Runs the chunk's first `num_steps` optimizer steps; blocks until done.
 
-        Each call is dispatched while the one before runs, and waits for the
-        one before that: at most two calls are in flight, and the second
-        needs the first's state. On a CPU with forced host devices, letting
+        On a CPU, one compiled call per step: XLA:CPU runs Keras' stock
+        convolutions and pooling faster per step so than K steps unrolled in
+        one program. Each call is dispatched while the one before runs, and
+        waits for the one before that: at most two calls are in flight, and
+        the second needs the first's state. With forced host devices, letting
         calls queue up without bound can deadlock XLA's all-reduce rendezvous
-        ("RendezvousKey ... may be stuck"). One call per step, not K steps
-        unrolled in one program: XLA:CPU runs Keras' stock convolutions and
-        pooling faster per step that way (docs/performance.md).
+        ("RendezvousKey ... may be stuck"). On a GPU or TPU
+        (`steps_in_one_program`), the chunk's steps in one program: there the
+        host takes about as long to dispatch a call as the device to run a
+        small step (docs/performance.md).
         """
+        if self.steps_in_one_program:
+            self.state, stats = self._train_step(self.state, chunk, num_steps)
+            return jax.device_get(jax.block_until_ready(stats))
         per_step: list[dict] = []
         for k in range(num_steps):
             self.state, stats = self._train_step(self.state, chunk, k)
@@ -246,6 +255,25 @@ def _indexed(step):
             lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), chunk))
 
     return indexed
+
+
+def _train_chunk(step):
+    """(state, stacked chunk, num_steps) -> (state, stats stacked per step): the
+    chunk's K steps unrolled in one program. Batches from `num_steps` on are
+    padding: their step is computed and its state dropped by an element-wise
+    select, so an epoch's last, shorter chunk runs the same program (`lax.cond`
+    would read its predicate on the host each step)."""
+
+    def steps(state, chunk, num_steps):
+        per_step = []
+        for k in range(_chunk_length(chunk)):
+            new_state, stats = step(state, jax.tree.map(lambda a: a[k], chunk))  # noqa: B023
+            state = jax.tree.map(lambda new, old: jax.numpy.where(k < num_steps, new, old),  # noqa: B023
+                                 new_state, state)
+            per_step.append(stats)
+        return state, _stack(per_step)
+
+    return steps
 
 
 def _eval_chunk(step, zero_statistics):
