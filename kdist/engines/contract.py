@@ -20,8 +20,8 @@ class `Engine`, and the step primitives of that backend). The division of work:
 - The engine places a stacked chunk on its replicas (`distribute`; on torch
   one replica per process, `kdist.loop.replicas`) and runs the chunk's first
   `num_steps` steps (`train_chunk`, `eval_chunk`: on TensorFlow one compiled
-  call, on JAX one call per train step; the rest is padding, so every call
-  has one shape). Each step, in each
+  call, on JAX one call per train step on a CPU, one call on a GPU or TPU;
+  the rest is padding, so every call has one shape). Each step, in each
   replica's program (on JAX one program for the whole sharded batch), it
   calls `program.run(primitives, training, batch, mapping)`, which runs the
   step under a `kdist.step.context.StepContext` and its `StepScope`: the
