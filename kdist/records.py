@@ -74,6 +74,8 @@ class Position:
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> "Position":
-        return cls(meta["epoch"], meta["step_in_epoch"], meta["totals"],
-                   tuple(EpochRecord.from_dict(r) for r in meta["history"]),
+        """The position a checkpoint's metadata records; format 1 records no
+        statistics or history."""
+        return cls(meta["epoch"], meta["step_in_epoch"], meta.get("totals"),
+                   tuple(EpochRecord.from_dict(r) for r in meta.get("history", ())),
                    meta.get("stopped", False))

@@ -242,6 +242,16 @@ def write_format_1(model, path, step):
         f.attrs["kdist"] = json.dumps(meta)
 
 
+def test_a_record_edited_to_another_type_skips_its_file_and_names_the_record(tmp_path):
+    manager, good, edited = two_checkpoints(tmp_path)
+    with h5py.File(edited, "r+") as f:
+        meta = json.loads(f.attrs["kdist"])
+        f.attrs["kdist"] = json.dumps(dict(meta, epoch="two"))
+    with pytest.warns(checkpoints.CheckpointWarning,
+                      match=r"skipping .*ckpt-00000002.*its metadata record 'epoch' is 'two'"):
+        assert manager.latest()[0] == good
+
+
 def test_format_1_checkpoints_load_unless_their_values_are_not_finite(tmp_path, batch):
     _, model = trained_model()
     old = str(tmp_path / "ckpt-00000001.weights.h5")

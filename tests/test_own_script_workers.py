@@ -127,6 +127,20 @@ def test_connect_alone_does_nothing_and_says_so():
     assert (alone.num_workers, alone.worker_index, alone.is_chief) == (1, 0, True)
 
 
+def test_a_kdist_error_in_your_script_is_one_line(tmp_path):
+    """The example ends on kdist's errors (here: a checkpoint folder that is a file)
+    as kdist's commands do: one line on stderr, exit status 1, no traceback."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    result = subprocess.run([sys.executable, SCRIPT, *ARGS, "--checkpoint-dir", str(taken)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert lines == [result.stderr.strip().splitlines()[-1]], result.stderr
+    assert lines[0].startswith(f"error: checkpoint folder {taken} is not writable")
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.skipif(BACKEND == "torch", reason="torch's process group may start at any time")
 def test_connect_after_the_framework_ran_is_one_clear_error():
     # This process ran TensorFlow or JAX already (conftest.py): too late to join.

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import shutil
 
 import h5py
 import numpy as np
@@ -52,6 +53,24 @@ def test_resumed_run_matches_uninterrupted_run(tmp_path, small_dataset):
     worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
     assert worst <= 1e-6, f"resumed weights differ by {worst}"
     assert without_timing(resumed.epochs) == without_timing(straight.epochs)
+
+
+def test_a_format_1_checkpoint_resumes_at_its_epoch_end(tmp_path, small_dataset):
+    """Format 1 (before checksums) records the position alone: no history, statistics,
+    backend or replicas."""
+    run(config(tmp_path, "old", epochs=1), small_dataset)
+    path = checkpoints.CheckpointManager(str(tmp_path / "old")).latest()[0]
+    with h5py.File(path, "r+") as f:
+        meta = json.loads(f.attrs["kdist"])
+        f.attrs["kdist"] = json.dumps(dict(
+            format="kdist-checkpoint-1",
+            **{key: meta[key] for key in ("step", "epoch", "step_in_epoch", "signature")}))
+    lines = []
+    result = training.train_and_evaluate(config(tmp_path, "old", epochs=2), small_dataset,
+                                         log=lines.append)
+    assert (f"Checkpoints: {tmp_path / 'old'}, resumed from ckpt-00000006.weights.h5 (end of "
+            "epoch 1; written by an older kdist)\n") in "\n".join(lines)
+    assert [record["epoch"] for record in result.epochs] == [2]
 
 
 def test_restored_model_scores_the_last_epoch_accuracy(tmp_path, small_dataset):
@@ -186,7 +205,8 @@ def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
 def test_checkpoints_by_steps_and_minutes_land_mid_epoch_and_resume_bitwise(tmp_path):
     """--checkpoint-every-steps 5 saves after each chunk (4 steps) that reaches a multiple
     of 5, mid-epoch too; a run resumed from the mid-epoch one, saving by minutes (every
-    chunk, here), ends bitwise where the straight run ends, keeping the newest 3."""
+    chunk, here), ends bitwise where the straight run ends, keeping the newest 3; so does
+    one resumed from the same checkpoint as an older kdist wrote it."""
     from test_fit_parity import classification_data, regularized_classifier
 
     import kdist
@@ -218,6 +238,21 @@ def test_checkpoints_by_steps_and_minutes_land_mid_epoch_and_resume_bitwise(tmp_
     assert a.keys() == b.keys()
     for key in a:
         assert np.array_equal(a[key], b[key]), key
+
+    # As an older kdist wrote it: no worker or example counts (checked where recorded).
+    older = tmp_path / "older"
+    older.mkdir()
+    shutil.copy(tmp_path / "straight" / "ckpt-00000012.weights.h5", older)
+    with h5py.File(older / "ckpt-00000012.weights.h5", "r+") as f:
+        meta = json.loads(f.attrs["kdist"])
+        assert meta.pop("workers") >= 1 and meta.pop("train_examples") == 480
+        f.attrs["kdist"] = json.dumps(meta)
+    training.train_and_evaluate(
+        training.TrainConfig(**settings, checkpoint_dir=str(older)),
+        data, model_fn=regularized_classifier, log=lines.append)
+    c = checkpoint_arrays(older / "ckpt-00000030.weights.h5")
+    for key in a:
+        assert np.array_equal(a[key], c[key]), key
 
 
 def test_a_resume_with_another_global_batch_counts_in_its_own_batches(tmp_path):

@@ -40,6 +40,17 @@ def parse(argv=None):
 def main(argv=None):
     args = parse(argv)
     kdist.prepare_environment(replicas=args.replicas)  # Before Keras loads.
+    try:
+        return train(args)
+    except kdist.Interrupted as stopped:  # A signal: every worker stopped after the same
+        print(f"interrupted: {stopped}", file=sys.stderr)  # step; the chief saved it.
+        return stopped.exit_status  # kdist-launch counts this as a stop, not a failure.
+    except kdist.KdistError as error:  # A peer, the data, a checkpoint: one line.
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+
+def train(args):
     worker = kdist.connect()  # Joins the workers the environment names; alone, nothing.
 
     def model():  # Compiled as for fit; plain SGD.
@@ -55,11 +66,7 @@ def main(argv=None):
         epochs=args.epochs, batch_size_per_replica=args.batch_size_per_replica,
         steps_per_epoch=args.steps_per_epoch, replicas=args.replicas, checkpoint_every=1,
         checkpoint_dir=args.checkpoint_dir)
-    try:
-        result = kdist.train_and_evaluate(config, data, model_fn=model)
-    except kdist.Interrupted as stopped:  # A signal: every worker stopped after the same
-        print(f"interrupted: {stopped}", file=sys.stderr)  # step; the chief saved it.
-        return stopped.exit_status  # kdist-launch counts this as a stop, not a failure.
+    result = kdist.train_and_evaluate(config, data, model_fn=model)
     if worker.is_chief:
         print(f"Worker 0 of {worker.num_workers}: test accuracy "
               f"{result.restored['test_accuracy']:.2%}")

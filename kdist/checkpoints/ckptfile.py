@@ -35,6 +35,13 @@ from kdist.errors import InvalidCheckpoint, NonFiniteWeights
 
 FORMAT = "kdist-checkpoint-2"
 READABLE = ("kdist-checkpoint-1", FORMAT)
+# The types of the records kdist reads back, checked where present: format 1 has the
+# first four alone, and older format-2 files lack some of the rest.
+FIELDS: dict[str, type | tuple[type, ...]] = {
+    "step": int, "epoch": int, "step_in_epoch": int, "signature": list,
+    "totals": (dict, type(None)), "history": list, "stopped": bool, "backend": str,
+    "replicas": int, "global_batch_size": int, "seed": int, "workers": int,
+    "train_examples": (int, type(None)), "steps_per_epoch": (int, type(None))}
 SEED_GROUP = "kdist_seed_generators"
 
 
@@ -79,7 +86,8 @@ def encode(model, metadata):
 def read_metadata(source):
     """kdist's state in `source` (a path or a file object), unverified.
 
-    Raises InvalidCheckpoint if it holds no kdist state of a known format, or
+    Raises InvalidCheckpoint if it holds no kdist state of a known format, or a
+    record of another type than `FIELDS` says (a file edited by hand), or
     the error h5py raises for a file it cannot open.
     """
     with h5py.File(source, "r") as f:
@@ -89,6 +97,11 @@ def read_metadata(source):
     if not isinstance(meta, dict) or meta.get("format") not in READABLE:
         raise InvalidCheckpoint(f"unknown checkpoint format "
                                 f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
+    for key, kind in FIELDS.items():
+        value = meta.get(key)
+        wrong = not isinstance(value, kind) or (kind is int and isinstance(value, bool))
+        if key in meta and wrong:
+            raise InvalidCheckpoint(f"its metadata record {key!r} is {value!r}")
     return meta
 
 

@@ -234,9 +234,9 @@ def resume_position(config, manager, model, step, order, own_shares=False):
         where += ", where a callback stopped training: nothing left to train"
     same_batch = written["global_batch_size"] == order["global_batch_size"]
     steps = meta.get("steps_per_epoch") if same_batch else None
-    return position, (
-        f"resumed from {os.path.basename(path)} ({where}; written by {meta['backend']} "
-        f"with {meta['replicas']} replica(s))"), steps
+    writer = (f"{meta['backend']} with {meta['replicas']} replica(s)" if "backend" in meta
+              else "an older kdist")  # Format 1.
+    return position, f"resumed from {os.path.basename(path)} ({where}; written by {writer})", steps
 
 
 def _check_mid_epoch(path, position, written, order, own_shares):
