@@ -35,7 +35,9 @@ def main():
 
     import kdist
 
-    devices = [d.name for d in tf.config.list_logical_devices("CPU")][:args.replicas]
+    # The GPUs where there are some (as kdist's engine), else the CPU's logical devices.
+    kind = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+    devices = [d.name for d in tf.config.list_logical_devices(kind)][:args.replicas]
     strategy = tf.distribute.MirroredStrategy(
         devices, cross_device_ops=tf.distribute.ReductionToOneDevice())
     global_batch = args.batch_size_per_replica * strategy.num_replicas_in_sync
