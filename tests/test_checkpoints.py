@@ -9,7 +9,7 @@ import h5py
 import keras
 import numpy as np
 import pytest
-from helpers import SEVERAL
+from helpers import SEVERAL, edit_metadata
 
 from kdist import checkpoints, engines
 from kdist.loop import building, training
@@ -244,9 +244,7 @@ def write_format_1(model, path, step):
 
 def test_a_record_edited_to_another_type_skips_its_file_and_names_the_record(tmp_path):
     manager, good, edited = two_checkpoints(tmp_path)
-    with h5py.File(edited, "r+") as f:
-        meta = json.loads(f.attrs["kdist"])
-        f.attrs["kdist"] = json.dumps(dict(meta, epoch="two"))
+    edit_metadata(edited, lambda meta: dict(meta, epoch="two"))
     with pytest.warns(checkpoints.CheckpointWarning,
                       match=r"skipping .*ckpt-00000002.*its metadata record 'epoch' is 'two'"):
         assert manager.latest()[0] == good

@@ -1,14 +1,13 @@
 """The loop: resume equals an uninterrupted run, bad losses stop cleanly, runs repeat."""
 
 import dataclasses
-import json
 import os
 import shutil
 
 import h5py
 import numpy as np
 import pytest
-from helpers import SEVERAL
+from helpers import SEVERAL, edit_metadata
 
 from kdist import checkpoints
 from kdist.inputs.base import Inputs
@@ -60,11 +59,9 @@ def test_a_format_1_checkpoint_resumes_at_its_epoch_end(tmp_path, small_dataset)
     backend or replicas."""
     run(config(tmp_path, "old", epochs=1), small_dataset)
     path = checkpoints.CheckpointManager(str(tmp_path / "old")).latest()[0]
-    with h5py.File(path, "r+") as f:
-        meta = json.loads(f.attrs["kdist"])
-        f.attrs["kdist"] = json.dumps(dict(
-            format="kdist-checkpoint-1",
-            **{key: meta[key] for key in ("step", "epoch", "step_in_epoch", "signature")}))
+    edit_metadata(path, lambda meta: dict(
+        format="kdist-checkpoint-1",
+        **{key: meta[key] for key in ("step", "epoch", "step_in_epoch", "signature")}))
     lines = []
     result = training.train_and_evaluate(config(tmp_path, "old", epochs=2), small_dataset,
                                          log=lines.append)
@@ -243,10 +240,9 @@ def test_checkpoints_by_steps_and_minutes_land_mid_epoch_and_resume_bitwise(tmp_
     older = tmp_path / "older"
     older.mkdir()
     shutil.copy(tmp_path / "straight" / "ckpt-00000012.weights.h5", older)
-    with h5py.File(older / "ckpt-00000012.weights.h5", "r+") as f:
-        meta = json.loads(f.attrs["kdist"])
-        assert meta.pop("workers") >= 1 and meta.pop("train_examples") == 480
-        f.attrs["kdist"] = json.dumps(meta)
+    meta = edit_metadata(older / "ckpt-00000012.weights.h5", lambda meta: {
+        key: value for key, value in meta.items() if key not in ("workers", "train_examples")})
+    assert meta["workers"] >= 1 and meta["train_examples"] == 480
     training.train_and_evaluate(
         training.TrainConfig(**settings, checkpoint_dir=str(older)),
         data, model_fn=regularized_classifier, log=lines.append)
@@ -297,8 +293,7 @@ def test_a_resume_with_another_global_batch_counts_in_its_own_batches(tmp_path):
             r"1: resume with seed=0 to finish the epoch, or resume=False$")):
         training.train_and_evaluate(dataclasses.replace(first, seed=1), data,
                                     model_fn=regularized_classifier)
-    with h5py.File(middle, "a") as f:  # As if 2 workers had written it (not checksummed).
-        f.attrs["kdist"] = json.dumps(dict(json.loads(f.attrs["kdist"]), workers=2))
+    edit_metadata(middle, lambda meta: dict(meta, workers=2))  # As if 2 workers wrote it.
 
     def shares(epoch, shard):  # Each worker's own share: 2 workers read other examples.
         yield from batches(epoch)

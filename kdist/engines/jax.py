@@ -130,9 +130,9 @@ class Engine(contract.Engine):
             return run(state, batch, False)[1]
 
         # One optimizer step per compiled call, or a chunk's steps (`train_chunk`).
-        chunked = _train_chunk(jax.jit(train_step)) if self.steps_in_one_program else None
-        self._train_step: Any = (jax.jit(chunked or _indexed(train_step), donate_argnums=0)
-                                 if program.trains else None)
+        train = (_train_chunk(jax.jit(train_step)) if self.steps_in_one_program
+                 else _indexed(train_step))
+        self._train_step: Any = (jax.jit(train, donate_argnums=0) if program.trains else None)
         self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), program.zero_statistics))
         self._eval_whole = jax.jit(eval_step)
 

@@ -228,8 +228,8 @@ def resume_position(config, manager, model, step, order, own_shares=False):
                              "its statistics do not fit this model's metrics; resume with "
                              "the metrics it was written with, or --no-resume")
         position = dataclasses.replace(position, totals=totals)
-    where = (f"epoch {meta['epoch'] + 1}, step {meta['step_in_epoch']}"
-             if meta["step_in_epoch"] else f"end of epoch {meta['epoch']}")
+    where = (f"epoch {position.epoch + 1}, step {position.step_in_epoch}"
+             if position.step_in_epoch else f"end of epoch {position.epoch}")
     if position.stopped:
         where += ", where a callback stopped training: nothing left to train"
     same_batch = written["global_batch_size"] == order["global_batch_size"]
