@@ -13,8 +13,9 @@ from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
-from kdist.engines import contract
+from kdist.engines import contract, jax_chunks
 from kdist.errors import UsageError
+from kdist.step import context as step_context
 from kdist.step.context import StepScope, current_scope, loss_of
 
 
@@ -102,7 +103,7 @@ class Engine(contract.Engine):
 
     def primitives(self):
         """The step primitives of this engine (`kdist.step.context.Primitives`)."""
-        return _Primitives()
+        return Primitives()
 
     def compile_steps(self, program):
         """Takes the program's variables' values as the state and jits the two chunk
@@ -120,7 +121,7 @@ class Engine(contract.Engine):
         self.sync_from_model()
 
         def run(state, batch, training):
-            stats, scope = program.run(_Primitives(), training, batch, zip(variables, state))
+            stats, scope = program.run(Primitives(), training, batch, zip(variables, state))
             return [scope.get_current_value(v) for v in variables], stats
 
         def train_step(state, batch):
@@ -130,10 +131,11 @@ class Engine(contract.Engine):
             return run(state, batch, False)[1]
 
         # One optimizer step per compiled call, or a chunk's steps (`train_chunk`).
-        train = (_train_chunk(jax.jit(train_step)) if self.steps_in_one_program
-                 else _indexed(train_step))
+        train = (jax_chunks.unrolled_train(jax.jit(train_step)) if self.steps_in_one_program
+                 else jax_chunks.one_step(train_step))
         self._train_step: Any = (jax.jit(train, donate_argnums=0) if program.trains else None)
-        self._eval_chunk = jax.jit(_eval_chunk(jax.jit(eval_step), program.zero_statistics))
+        self._eval_chunk = jax.jit(jax_chunks.conditioned_eval(jax.jit(eval_step),
+                                                               program.zero_statistics))
         self._eval_whole = jax.jit(eval_step)
 
     def sync_from_model(self):
@@ -246,64 +248,7 @@ class _BlockEachBatch(keras.callbacks.Callback):
     on_test_batch_end = on_train_batch_end
 
 
-def _indexed(step):
-    """(state, stacked chunk, k) -> `step(state, the chunk's batch k)`: one program
-    serves every step of every chunk (`k` is traced, not a constant)."""
-
-    def indexed(state, chunk, k):
-        return step(state, jax.tree.map(
-            lambda a: jax.lax.dynamic_index_in_dim(a, k, keepdims=False), chunk))
-
-    return indexed
-
-
-def _train_chunk(step):
-    """(state, stacked chunk, num_steps) -> (state, stats stacked per step): the
-    chunk's K steps unrolled in one program. Batches from `num_steps` on are
-    padding: their step is computed and its state dropped by an element-wise
-    select, so an epoch's last, shorter chunk runs the same program (`lax.cond`
-    would read its predicate on the host each step)."""
-
-    def steps(state, chunk, num_steps):
-        per_step = []
-        for k in range(_chunk_length(chunk)):
-            new_state, stats = step(state, jax.tree.map(lambda a: a[k], chunk))  # noqa: B023
-            state = jax.tree.map(lambda new, old: jax.numpy.where(k < num_steps, new, old),  # noqa: B023
-                                 new_state, state)
-            per_step.append(stats)
-        return state, _stack(per_step)
-
-    return steps
-
-
-def _eval_chunk(step, zero_statistics):
-    """(state, stacked chunk, num_steps) -> stats stacked per step.
-
-    Each batch runs under `lax.cond`, which skips the padding and, on XLA:CPU,
-    keeps the K forward passes one after another: unconditioned, the eval
-    chunk runs several times slower (docs/performance.md).
-    """
-
-    def skip(state, batch):
-        return zero_statistics()
-
-    def steps(state, chunk, num_steps):
-        return _stack([jax.lax.cond(k < num_steps, step, skip, state,
-                                    jax.tree.map(lambda a: a[k], chunk))  # noqa: B023
-                       for k in range(_chunk_length(chunk))])
-
-    return steps
-
-
-def _chunk_length(chunk):
-    return jax.tree.leaves(chunk)[0].shape[0]
-
-
-def _stack(per_step):
-    return {key: jax.numpy.stack([s[key] for s in per_step]) for key in per_step[0]}
-
-
-class _Primitives:
+class Primitives(step_context.Primitives):
     """`kdist.step.context.Primitives` on JAX: `jax.value_and_grad` over the step's
     state, read through a child scope."""
 

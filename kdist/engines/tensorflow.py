@@ -1,19 +1,16 @@
 """TensorFlow engine: `tf.distribute.MirroredStrategy` (or no strategy), or
 `MultiWorkerMirroredStrategy` across workers once `connect` ran."""
 
-import contextlib
 import functools
 import os
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
-from keras.src.losses import loss as loss_module  # Its replica scaling (see below).
 
-from kdist.engines import contract, tf_optimizer
+from kdist.engines import contract, tf_optimizer, tf_replica
 from kdist.errors import UsageError
 from kdist.runtime.startup import split_tensorflow_cpu
-from kdist.step.context import current_scope, loss_of, substituted
 from kdist.workers import processes
 
 
@@ -134,37 +131,24 @@ class Engine(contract.Engine):
 
     def primitives(self):
         """The step primitives of this engine (`kdist.step.context.Primitives`)."""
-        return _Primitives()
+        return tf_replica.Primitives()
 
     def compile_steps(self, program):
         """Builds the two chunk functions of `program` (a built
         `kdist.step.program.Program`), traced at their first call.
 
-        Each replica runs the step on its slice of the batch, with Keras'
-        losses unscaled (`_keras_losses_unscaled`): the step's losses are
-        its batch's, as on one device, and `kdist.value_and_grad` averages
-        the gradients over replicas. The optimizers apply them in place, the
-        same on every replica (their own per-replica sum is turned off, see
-        `tf_optimizer.apply_reduced`). The first replica alone reports a
-        skipped step, so the sum over replicas counts it once.
+        Each replica runs the step on its slice of the batch
+        (`tf_replica.run_step`: its losses are its batch's, as on one device,
+        and `kdist.value_and_grad` averages the gradients over replicas). The
+        optimizers apply them in place, the same on every replica (their own
+        per-replica sum is turned off, see `tf_optimizer.apply_reduced`).
         """
         self.program = program
         for optimizer in program.optimizers:
             tf_optimizer.apply_reduced(optimizer)
             tf_optimizer.apply_without_cond(optimizer)
-        variables = program.variables
         shapes = program.statistic_shapes()
-
-        def replica_step(batch, training):
-            context = tf.distribute.get_replica_context()
-            offsets = _seed_offsets(variables, context.replica_id_in_sync_group, training)
-            mapping = [(v, v.value + o) for v, o in zip(variables, offsets) if o is not None]
-            with _keras_losses_unscaled():
-                stats, scope = program.run(_Primitives(), training, batch, mapping)
-            if training:
-                _assign_updates(context, variables, scope.changed(), offsets)
-            first = tf.equal(context.replica_id_in_sync_group, 0)
-            return dict(stats, skipped=tf.where(first, stats["skipped"], 0.0))
+        replica_step = functools.partial(tf_replica.run_step, program, program.variables)
 
         self._train_chunk: Any = (self._distributed(lambda b: replica_step(b, True), shapes)
                              if program.trains else None)
@@ -302,106 +286,3 @@ class Engine(contract.Engine):
 def _map_arrays(fn, structure):
     """`fn` over a structure's arrays; None (no sample weights) stays None."""
     return tf.nest.map_structure(lambda a: None if a is None else fn(a), structure)
-
-
-_SEED_STRIDE = 1_000_003  # Separates the replicas' random streams.
-
-
-def _seed_offsets(variables, replica_id, training):
-    """Per variable, what replica `replica_id` adds to it before its train step: a
-    shift of each `keras.random.SeedGenerator` state, so every replica draws
-    its own dropout masks (replica 0 draws what one device would); None for
-    other variables, and for all in evaluation."""
-    def offset(variable):
-        if not training or not variable.path.endswith("seed_generator_state"):
-            return None
-        shift = tf.cast(replica_id * _SEED_STRIDE, variable.dtype)
-        return tf.stack([shift, tf.zeros((), variable.dtype)])
-    return [offset(v) for v in variables]
-
-
-def _assign_updates(context, variables, changed, offsets):
-    """Writes what a train step assigned (outside its optimizers), equal on every replica.
-
-    Seed states lose their replica's shift (every replica then holds the
-    same advanced state). Float updates (BatchNormalization's moving
-    statistics) move by the mean of the replicas' changes, which for a
-    moving mean is the change the global batch's mean would make. Others
-    are assigned as they are.
-    """
-    updated = [(v, changed[id(v)], o) for v, o in zip(variables, offsets) if id(v) in changed]
-    floats = [(v, new) for v, new, o in updated if o is None and v.dtype.startswith("float")]
-    if floats:
-        changes = context.all_reduce(tf.distribute.ReduceOp.MEAN,
-                                     [new - v.value for v, new in floats])
-        for (variable, _), change in zip(floats, changes):
-            variable.assign(variable.value + change)
-    for variable, new, offset in updated:
-        if offset is not None:
-            variable.assign(new - offset)
-        elif not variable.dtype.startswith("float"):
-            variable.assign(new)
-
-
-@contextlib.contextmanager
-def _keras_losses_unscaled():
-    """Keras' losses as on one device while a replica's step is traced.
-
-    Under a `tf.distribute` strategy, Keras divides every mean loss by the
-    replica count (`keras.src.losses.loss.scale_loss_for_distribution`) for
-    its own train step, which sums gradients over replicas. kdist's rule is
-    the same on every backend: a step's losses are its batch's, and
-    `kdist.value_and_grad` averages the gradients. So the division is
-    turned off here (and its inverse, which Keras' loss trackers apply).
-    """
-    saved = (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution)
-    loss_module.scale_loss_for_distribution = _unchanged
-    loss_module.unscale_loss_for_distribution = _unchanged
-    try:
-        yield
-    finally:
-        (loss_module.scale_loss_for_distribution,
-         loss_module.unscale_loss_for_distribution) = saved
-
-
-def _unchanged(value):
-    return value
-
-
-class _Primitives:
-    """`kdist.step.context.Primitives` on TensorFlow: a `tf.GradientTape`, and the
-    replica context's all-reduce."""
-
-    applies_in_scope = False  # Keras' TF optimizers update the tf.Variables themselves.
-
-    def value_and_grad(self, context, fn, variables, tensors):
-        """Differentiates `fn(*tensors)` on a tape. Outside a replica (the building
-        run, under the strategy's scope) a distributed variable cannot be
-        differentiated, so the variables are read as watched copies there."""
-        cross_replica = tf.distribute.in_cross_replica_context()
-        scope = current_scope()
-        sources = [tf.identity(v.value) if cross_replica else scope.get_current_value(v)
-                   for v in variables]
-        with (substituted(list(zip(variables, sources))) if cross_replica
-              else contextlib.nullcontext()), tf.GradientTape() as tape:
-            for watched in list(tensors) + [s for s in sources if not isinstance(s, tf.Variable)]:
-                tape.watch(watched)
-            value = fn(*tensors)
-            loss = loss_of(value)
-        grads = tape.gradient(loss, sources + list(tensors))
-        return value, grads[:len(sources)], grads[len(sources):]
-
-    def mean_over_replicas(self, grads):
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
-            return grads
-        present = [i for i, g in enumerate(grads) if g is not None]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [grads[i] for i in present])
-        out = list(grads)
-        for i, g in zip(present, reduced):
-            out[i] = g
-        return out
-
-    def apply(self, context, optimizer, apply, grads, variables):
-        with context.optimizer_applying():
-            return apply(grads, variables)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from kdist.engines import contract
 from kdist.errors import ReplicaPerProcess, UsageError
+from kdist.step import context as step_context
 from kdist.step.context import current_scope, loss_of
 from kdist.tree import map_arrays as _map_arrays
 from kdist.workers import processes
@@ -131,7 +132,7 @@ class Engine(contract.Engine):
 
     def primitives(self):
         """The step primitives of this engine (`kdist.step.context.Primitives`)."""
-        return _Primitives(self)
+        return Primitives(self)
 
     def compile_steps(self, program):
         """Prepares the eager train and eval steps of `program` (a built
@@ -167,7 +168,7 @@ class Engine(contract.Engine):
         return self._summed(per_step)
 
     def _train_step(self, batch):
-        stats, scope = self.program.run(_Primitives(self), True, batch)
+        stats, scope = self.program.run(Primitives(self), True, batch)
         changed = scope.changed()
         updated = [(v, changed[id(v)]) for v in self.program.variables if id(v) in changed]
         moving = [(v, new) for v, new in updated if _is_float(v)]
@@ -190,7 +191,7 @@ class Engine(contract.Engine):
 
     def _eval_step(self, batch):
         with torch.no_grad():
-            stats, _ = self.program.run(_Primitives(self), False, batch)
+            stats, _ = self.program.run(Primitives(self), False, batch)
         return {k: v.detach() for k, v in stats.items()}
 
     def eval_whole(self, batch):
@@ -251,7 +252,7 @@ def _is_float(variable):
     return "float" in str(variable.dtype)
 
 
-class _Primitives:
+class Primitives(step_context.Primitives):
     """`kdist.step.context.Primitives` on torch: autograd, and one all-reduce of
     the gradients per call."""
 

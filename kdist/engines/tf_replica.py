@@ -1,0 +1,133 @@
+"""What runs inside one TensorFlow replica's step: the step primitives (a
+`tf.GradientTape`, the replica context's all-reduce), each replica's seed
+offsets, the updates a step assigns, and Keras' losses as on one device."""
+
+import contextlib
+
+import tensorflow as tf
+from keras.src.losses import loss as loss_module  # Its replica scaling (see below).
+
+from kdist.step import context as step_context
+from kdist.step.context import current_scope, loss_of, substituted
+
+_SEED_STRIDE = 1_000_003  # Separates the replicas' random streams.
+
+
+def seed_offsets(variables, replica_id, training):
+    """Per variable, what replica `replica_id` adds to it before its train step: a
+    shift of each `keras.random.SeedGenerator` state, so every replica draws
+    its own dropout masks (replica 0 draws what one device would); None for
+    other variables, and for all in evaluation."""
+    def offset(variable):
+        if not training or not variable.path.endswith("seed_generator_state"):
+            return None
+        shift = tf.cast(replica_id * _SEED_STRIDE, variable.dtype)
+        return tf.stack([shift, tf.zeros((), variable.dtype)])
+    return [offset(v) for v in variables]
+
+
+def assign_updates(context, variables, changed, offsets):
+    """Writes what a train step assigned (outside its optimizers), equal on every replica.
+
+    Seed states lose their replica's shift (every replica then holds the
+    same advanced state). Float updates (BatchNormalization's moving
+    statistics) move by the mean of the replicas' changes, which for a
+    moving mean is the change the global batch's mean would make. Others
+    are assigned as they are.
+    """
+    updated = [(v, changed[id(v)], o) for v, o in zip(variables, offsets) if id(v) in changed]
+    floats = [(v, new) for v, new, o in updated if o is None and v.dtype.startswith("float")]
+    if floats:
+        changes = context.all_reduce(tf.distribute.ReduceOp.MEAN,
+                                     [new - v.value for v, new in floats])
+        for (variable, _), change in zip(floats, changes):
+            variable.assign(variable.value + change)
+    for variable, new, offset in updated:
+        if offset is not None:
+            variable.assign(new - offset)
+        elif not variable.dtype.startswith("float"):
+            variable.assign(new)
+
+
+@contextlib.contextmanager
+def keras_losses_unscaled():
+    """Keras' losses as on one device while a replica's step is traced.
+
+    Under a `tf.distribute` strategy, Keras divides every mean loss by the
+    replica count (`keras.src.losses.loss.scale_loss_for_distribution`) for
+    its own train step, which sums gradients over replicas. kdist's rule is
+    the same on every backend: a step's losses are its batch's, and
+    `kdist.value_and_grad` averages the gradients. So the division is
+    turned off here (and its inverse, which Keras' loss trackers apply).
+    """
+    saved = (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution)
+    loss_module.scale_loss_for_distribution = _unchanged
+    loss_module.unscale_loss_for_distribution = _unchanged
+    try:
+        yield
+    finally:
+        (loss_module.scale_loss_for_distribution,
+         loss_module.unscale_loss_for_distribution) = saved
+
+
+def _unchanged(value):
+    return value
+
+
+class Primitives(step_context.Primitives):
+    """`kdist.step.context.Primitives` on TensorFlow: a `tf.GradientTape`, and the
+    replica context's all-reduce."""
+
+    applies_in_scope = False  # Keras' TF optimizers update the tf.Variables themselves.
+
+    def value_and_grad(self, context, fn, variables, tensors):
+        """Differentiates `fn(*tensors)` on a tape. Outside a replica (the building
+        run, under the strategy's scope) a distributed variable cannot be
+        differentiated, so the variables are read as watched copies there."""
+        cross_replica = tf.distribute.in_cross_replica_context()
+        scope = current_scope()
+        sources = [tf.identity(v.value) if cross_replica else scope.get_current_value(v)
+                   for v in variables]
+        with (substituted(list(zip(variables, sources))) if cross_replica
+              else contextlib.nullcontext()), tf.GradientTape() as tape:
+            for watched in list(tensors) + [s for s in sources if not isinstance(s, tf.Variable)]:
+                tape.watch(watched)
+            value = fn(*tensors)
+            loss = loss_of(value)
+        grads = tape.gradient(loss, sources + list(tensors))
+        return value, grads[:len(sources)], grads[len(sources):]
+
+    def mean_over_replicas(self, grads):
+        context = tf.distribute.get_replica_context()
+        if context is None or context.num_replicas_in_sync == 1:
+            return grads
+        present = [i for i, g in enumerate(grads) if g is not None]
+        reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [grads[i] for i in present])
+        out = list(grads)
+        for i, g in zip(present, reduced):
+            out[i] = g
+        return out
+
+    def apply(self, context, optimizer, apply, grads, variables):
+        with context.optimizer_applying():
+            return apply(grads, variables)
+
+
+def run_step(program, variables, batch, training):
+    """One replica's step of `program` on its slice `batch`, in a replica context.
+
+    Its seed states are shifted by its replica id (`seed_offsets`), Keras'
+    losses are unscaled (`keras_losses_unscaled`), and in training what the
+    step assigned outside its optimizers is written back equal on every
+    replica (`assign_updates`). The first replica alone reports a skipped
+    step, so the sum over replicas counts it once.
+    """
+    context = tf.distribute.get_replica_context()
+    offsets = seed_offsets(variables, context.replica_id_in_sync_group, training)
+    mapping = [(v, v.value + o) for v, o in zip(variables, offsets) if o is not None]
+    with keras_losses_unscaled():
+        stats, scope = program.run(Primitives(), training, batch, mapping)
+    if training:
+        assign_updates(context, variables, scope.changed(), offsets)
+    first = tf.equal(context.replica_id_in_sync_group, 0)
+    return dict(stats, skipped=tf.where(first, stats["skipped"], 0.0))
