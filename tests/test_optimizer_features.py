@@ -315,3 +315,6 @@ def test_every_evaluation_and_the_checkpoint_keep_the_moving_averages(tmp_path):
             restored["checkpoint"], tiny_dataset(), model_fn(lambda: keras.optimizers.SGD(0.5)),
             batch_size=8)
     assert abs(plain["test_loss"] - restored["test_loss"]) > 1e-3
+    # The model in hand holds the averages, as `fit` ends: it scores what kdist reported.
+    in_hand = result.model.evaluate(X[:20], Y[:20], batch_size=20, verbose=0, return_dict=True)
+    assert abs(in_hand["loss"] - restored["test_loss"]) <= 1e-5, (in_hand, restored)

@@ -15,8 +15,9 @@ class TrainingResult:
         model: the trained model, built again by `model_fn` with no
             distribution and holding the trained weights (as they are after
             every callback's `on_train_end`: `EarlyStopping(
-            restore_best_weights=True)` leaves the best ones, as in `fit`),
-            ready for `predict`, `save` and `export`. Its optimizer's state
+            restore_best_weights=True)` leaves the best ones, as in `fit`;
+            with `use_ema=True` the optimizer's moving averages, as `fit`
+            ends), ready for `predict`, `save` and `export`. Its optimizer's state
             is in the checkpoints, not here.
         history: per Keras name, a list of one value per epoch, as
             `keras.callbacks.History().history`: "loss" and each metric on

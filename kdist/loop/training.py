@@ -26,6 +26,7 @@ from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
 from kdist.loop.result import TrainingResult, epoch_logs, keras_history
 from kdist.loop.run import Run
 from kdist.models.cnn import create_model
+from kdist.step.optimizer import finalize_weights
 from kdist.workers import interrupt
 from kdist.workers.processes import REPLICA_PROCESSES_VARIABLE
 
@@ -148,6 +149,9 @@ def _train(run, log, stop, callbacks):
             raise _interrupted(stop, position, run.end_writes_together(log))
         run.report_writes(log)
     run.report_writes(log, wait=True)
+    run.engine.sync_to_model()
+    finalize_weights(run.model)  # After the last checkpoint, which keeps the weights.
+    run.engine.sync_from_model()
     calls.train_end(epoch_logs(position.history[-1], extra=False) if position.history else {})
     run.engine.sync_to_model()
     result = TrainingResult(

@@ -45,3 +45,13 @@ def ema_variables(optimizer, variables):
         return None
     averages = optimizer._model_variables_moving_average
     return [averages[optimizer._get_variable_index(v)] for v in variables]
+
+
+def finalize_weights(model):
+    """Ends training as `fit` does (`optimizer.finalize_variable_values`): with
+    `use_ema=True` the model's trainable weights take the optimizer's moving
+    averages, so the model in hand is the one every evaluation scored."""
+    trainable = model.trainable_weights
+    averages = ema_variables(getattr(model, "optimizer", None), trainable)
+    for variable, average in zip(trainable, averages or ()):
+        variable.assign(average.value)
