@@ -317,3 +317,54 @@ def test_a_whole_run_ends_where_fit_ends_on_the_same_batches(replicas, tmp_path)
         assert ours["train_loss"] == pytest.approx(fitted["loss"][0], rel=1e-5), epoch
         assert ours["test_loss"] == pytest.approx(theirs["loss"], rel=1e-5), epoch
         assert ours["test_accuracy"] == pytest.approx(theirs["accuracy"], abs=1e-6), epoch
+
+
+class GuideStepModel(keras.Model):
+    """Keras' guide "Customizing what happens in fit()": every metric in
+    `self.metrics` updated, their results returned (the compiled ones as a dict),
+    with `kdist.value_and_grad` in place of the backend's gradients."""
+
+    def train_step(self, data):
+        x, y = data
+
+        def loss_fn():
+            y_pred = self(x, training=True)
+            return self.compute_loss(y=y, y_pred=y_pred), y_pred
+
+        (loss, y_pred), grads = kdist.value_and_grad(loss_fn, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def guide_classifier(model_class=keras.Model):
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = model_class(inputs, keras.layers.Dense(3)(hidden))
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+
+@pytest.mark.parametrize("replicas", sorted({1, SEVERAL}))
+def test_the_keras_guides_own_train_step_with_compiled_metrics_trains_as_fit(replicas):
+    x, y = classification_data(BATCH, seed=6)
+    start = initial_weights(guide_classifier)
+    engine, model, step = on_kdist(lambda: guide_classifier(GuideStepModel), replicas, None,
+                                   sample=(x[:2], y[:2], None))
+    model.set_weights(start)
+    engine.compile_steps(step)
+    per_step = engine.train_chunk(engine.distribute(chunks.stack_chunk([(x, y, None)])), 1)
+    engine.sync_to_model()
+    ours = step.results({k: np.sum(v, axis=0) for k, v in per_step.items()})
+    reference = on_keras(guide_classifier, start)
+    theirs = reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    assert_close(model.get_weights(), reference.get_weights(), 1e-6)
+    assert sorted(ours) == ["accuracy", "loss"]
+    assert ours["loss"] == pytest.approx(theirs["loss"][0], rel=1e-5)
+    assert ours["accuracy"] == pytest.approx(theirs["accuracy"][0], abs=1e-6)

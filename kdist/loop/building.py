@@ -49,6 +49,8 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
                     "model_fn returned a model with its own train_step: its optimizers and "
                     "losses are its own, so optimizer_fn, loss_fn and learning_rate must be "
                     "None")
+            if sample is not None and getattr(model, "_compile_metrics", None) is not None:
+                build_metrics(model, *sample)  # Its step may update the compiled metrics.
             return model, None
         if model.compiled:
             if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:

@@ -177,7 +177,7 @@ class Program:
         if not isinstance(logs, dict):
             raise UsageError(f"the {phase}_step returns {type(logs).__name__}; return a dict "
                              "of scalars or metric results, as Keras' train_step does")
-        return logs, scope
+        return _flat(logs), scope
 
     def _statistics(self, logs, scope, context):
         rows = ops.cast(context.rows, "float32")
@@ -241,6 +241,16 @@ def defines(model, name):
         if name in vars(cls):
             return True
     return False
+
+
+def _flat(logs):
+    """A step's logs with each nested dict's entries in its place, as `fit` flattens
+    them: the Keras guide's step returns the compiled metrics' `result()`, a dict,
+    under "compile_metrics"."""
+    flat = {}
+    for name, value in logs.items():
+        flat.update(_flat(value) if isinstance(value, dict) else {name: value})
+    return flat
 
 
 def _optimizers(model):
