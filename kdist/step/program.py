@@ -247,7 +247,7 @@ def _flat(logs):
     """A step's logs with each nested dict's entries in its place, as `fit` flattens
     them: the Keras guide's step returns the compiled metrics' `result()`, a dict,
     under "compile_metrics"."""
-    flat = {}
+    flat: dict[str, Any] = {}
     for name, value in logs.items():
         flat.update(_flat(value) if isinstance(value, dict) else {name: value})
     return flat
