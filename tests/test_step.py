@@ -88,6 +88,39 @@ def test_a_metric_that_does_not_merge_by_summing_is_refused():
         Program(model)
 
 
+def test_a_metric_whose_variables_do_not_add_up_over_examples_is_refused():
+    class MaxError(keras.metrics.Metric):  # Declared "sum" (Keras' default), merges otherwise.
+        def __init__(self):
+            super().__init__(name="max_error")
+            self.worst = self.add_variable((), "zeros", name="worst")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            error = ops.abs(ops.convert_to_tensor(y_true) - y_pred)
+            self.worst.assign(ops.maximum(self.worst, ops.max(error)))
+
+        def result(self):
+            return self.worst
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae", MaxError()])
+    x = np.array([[1.0, 2.0, 3.0], [-2.0, 1.0, 0.5]], np.float32)
+    with pytest.raises(kdist.UsageError, match="metric variable 'max_error/worst' does not "
+                                               "add up over examples"):
+        build_metrics(model, x, np.zeros((2, 1), np.float32))
+    model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse"])
+    build_metrics(model, x, np.zeros((2, 1), np.float32))  # Keras' own add up.
+
+
+def test_a_metric_whose_result_is_not_a_number_is_refused_before_training():
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss="mse", metrics=[keras.metrics.F1Score()])
+    sample = (np.zeros((2, 3), np.float32), np.zeros((2, 2), np.float32), None)
+    build_metrics(model, *sample[:2])
+    with pytest.raises(kdist.UsageError, match=r"metric 'f1_score' has a result of shape "
+                                               r"\(2,\).*average='macro'"):
+        Program(model).build(engines.create_engine(1, distributed=False), sample)
+
+
 def test_an_uncompiled_model_is_a_clear_error():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(Exception, match="model is not compiled"):

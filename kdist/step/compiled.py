@@ -21,8 +21,10 @@ batch's rows + the model's losses.
 import contextlib
 
 import keras
+import numpy as np
 from keras import ops
 
+from kdist import tree
 from kdist.errors import UsageError
 from kdist.step import api
 from kdist.step.context import substituted
@@ -103,5 +105,40 @@ def build_metrics(model, x, y, sample_weight=None):
     if model.loss is not None or type(model).compute_loss is not keras.Model.compute_loss:
         model.compute_loss(x, y, y_pred, sample_weight, training=False)
     model.compute_metrics(x, y, y_pred, sample_weight)
+    _check_sums(model, (x, y, y_pred, sample_weight))
     for metric in model.metrics:
         metric.reset_state()
+
+
+def _check_sums(model, batch):
+    """Refuses a compiled metric whose variables do not add up over examples.
+
+    kdist merges a metric over steps, replicas and workers by summing its
+    variables' changes from their reset values, each step starting from
+    them. That is exact for a metric whose update adds per-example terms
+    (every Keras metric), and wrong for one that reads its own state in
+    other ways (a running maximum) or counts batches. Tried on `batch`, (x,
+    y, y_pred, sample_weight): the change from the batch twice over, in one
+    update, must be twice the batch's. (A variable aggregated otherwise than
+    by "sum" is refused by `kdist.step.program.Program`.)
+    """
+    metrics = [m for m in reported_metrics(model)
+               if all(getattr(v, "aggregation", "sum") == "sum" for v in m.variables)]
+    variables = [v for m in metrics for v in m.variables]
+
+    def change(data):
+        for metric in metrics:
+            metric.reset_state()
+        reset = [np.array(v.numpy(), np.float64) for v in variables]
+        model.compute_metrics(*data)
+        return [np.array(v.numpy(), np.float64) - r for v, r in zip(variables, reset)]
+
+    twice = tuple(tree.map_arrays(lambda a: ops.concatenate([a, a]), part) for part in batch)
+    for variable, once, both in zip(variables, change(batch), change(twice)):
+        if not np.allclose(2 * once, both, rtol=1e-4, atol=1e-6):
+            raise UsageError(
+                f"metric variable {variable.path!r} does not add up over examples: it "
+                f"changes by {both.ravel()[:3].tolist()} for a batch twice over but by "
+                f"{once.ravel()[:3].tolist()} for the batch once; kdist merges metrics "
+                "over steps and replicas by summing their variables' changes, so write "
+                "its update as sums over examples (a maximum cannot be merged)")

@@ -194,11 +194,18 @@ class Program:
         return stats
 
     def _metric_names(self):
-        """{result name: metric} of the metrics' results, read at their reset state."""
+        """{result name: metric} of the metrics' results, read at their reset state.
+        A result that is not a scalar is refused: kdist reports numbers."""
         names = {}
         for metric in self.metrics:
             value = metric.result()
-            for name in (value if isinstance(value, dict) else [metric.name]):
+            results = value if isinstance(value, dict) else {metric.name: value}
+            for name, result in results.items():
+                if len(ops.shape(result)) != 0:
+                    raise UsageError(
+                        f"metric {name!r} has a result of shape {tuple(ops.shape(result))}; "
+                        "kdist reports a number per metric: give it one (F1Score and "
+                        "FBetaScore: average='macro', 'micro' or 'weighted')")
                 names[name] = metric
         return names
 
