@@ -6,12 +6,15 @@ before the step that would use it (tests/test_inputs.py checks the shapes)."""
 import importlib.util
 import os
 
+import keras
 import numpy as np
 import pytest
 from test_inputs import TEST, TRAIN, Batches, in_batches, make_mlp, tf_data, train
 
+import kdist
 from kdist.errors import DataError
 from kdist.inputs import base, sources, tfrecords
+from kdist.loop import building
 
 HAS_TF = importlib.util.find_spec("tensorflow") is not None
 needs_tf = pytest.mark.skipif(not HAS_TF, reason="read with tf.data")
@@ -105,3 +108,23 @@ def test_a_bad_batch_stops_training_before_its_step_and_writes_nothing(tmp_path,
         train(tmp_path, "run", base.Inputs(KINDS[kind](*spoiled(field), tmp_path), TEST),
               epochs=2)
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
+
+
+@pytest.mark.parametrize("loss, refused", [
+    ("sparse_categorical_crossentropy", True),
+    (keras.losses.SparseCategoricalCrossentropy(from_logits=True), True),
+    (keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1), False),
+    ("mse", False)])
+def test_labels_are_checked_as_classes_only_for_a_loss_that_reads_class_indices(loss, refused):
+    # Two outputs; targets -1 (ignored) and 0..9: counts for MSE, not classes.
+    x = np.zeros((6, 3), np.float32)
+    y = np.array([[-1], [0], [9], [1], [2], [3]], np.int32)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer="sgd", loss=loss)
+    prepared = sources.prepare(kdist.Dataset(x, y if loss == "mse" else y[:, 0], x, y[:, 0],
+                                             "labels"))
+    if refused:
+        with pytest.raises(DataError, match="label -1 .* is not a class of the model"):
+            building.check_labels(prepared, model)
+    else:
+        building.check_labels(prepared, model)

@@ -7,6 +7,7 @@ compile, and `sample_rows` gives the few rows that build the compiled loss
 and metrics.
 """
 
+import keras
 import numpy as np
 
 from kdist import tree
@@ -107,9 +108,12 @@ def sample_rows(dataset, rows=2):
 def check_labels(prepared, model, splits=("train", "test")):
     """Makes class-index targets checked against a one-output classifier's class
     count: a `kdist.Dataset`'s arrays here, at once; any other source's labels
-    as they stream (`kdist.inputs.base.Source.expect_classes`)."""
+    as they stream (`kdist.inputs.base.Source.expect_classes`). Only where the
+    compiled loss reads its targets as class indices (`_takes_class_indices`):
+    integer targets may be counts for another loss."""
     shape = getattr(model, "output_shape", None)
-    if not (isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1):
+    if not (isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1
+            and _takes_class_indices(getattr(model, "loss", None))):
         return
     dataset = prepared.arrays
     if dataset is None:
@@ -121,3 +125,13 @@ def check_labels(prepared, model, splits=("train", "test")):
     labels = dataset.train_y
     if isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer):
         arrays.check_labels(dataset, shape[-1], splits)
+
+
+def _takes_class_indices(loss):
+    """Whether the compiled `loss` is a sparse categorical cross-entropy, whose
+    targets are class indices, none of them ignored (`ignore_class`: any
+    target may then be the ignored value)."""
+    if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
+        return loss._fn_kwargs.get("ignore_class") is None
+    name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
+    return name in ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")
