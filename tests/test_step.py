@@ -121,6 +121,44 @@ def test_a_metric_whose_result_is_not_a_number_is_refused_before_training():
         Program(model).build(engines.create_engine(1, distributed=False), sample)
 
 
+class SubModelOptimizer(keras.Model):
+    """An own step whose optimizer a sub-model holds (`applied`), or which leaves a
+    compiled sub-model's optimizer alone (a trained teacher's)."""
+
+    def __init__(self, applied):
+        super().__init__()
+        self.net = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        self.net.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+        self.applied = applied
+        if not applied:
+            self.own = keras.optimizers.SGD(0.5)
+
+    def train_step(self, data):
+        x, y = data
+        weights = self.net.trainable_variables
+        loss, grads = kdist.value_and_grad(lambda: ops.mean((self.net(x) - y) ** 2), weights)
+        (self.net.optimizer if self.applied else self.own).apply(grads, weights)
+        return {"loss": loss}
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_an_optimizer_a_sub_model_holds_is_refused_where_the_step_applies_it(applied):
+    model = SubModelOptimizer(applied)
+    before = [np.array(w) for w in model.net.get_weights()]
+    sample = (np.ones((2, 3), np.float32), np.zeros((2, 2), np.float32), None)
+    program = Program(model)
+    if applied:
+        with pytest.raises(kdist.UsageError, match=r"the step applies the optimizer "
+                                                   r"sequential\w*\.optimizer \(SGD\), held "
+                                                   "by a sub-model"):
+            program.build(engines.create_engine(1, distributed=False), sample)
+        after = model.net.get_weights()  # The building run updated nothing.
+        assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    else:
+        program.build(engines.create_engine(1, distributed=False), sample)
+        assert [id(o) for o in program.optimizers] == [id(model.own)]
+
+
 def test_an_uncompiled_model_is_a_clear_error():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(Exception, match="model is not compiled"):

@@ -1,8 +1,12 @@
-"""What kdist asks of a Keras optimizer: the one inside a loss-scaling wrapper,
-whether a step is skipped, and the variables of its EMA."""
+"""What kdist asks of a Keras optimizer: the ones a model holds, its `apply` routed
+through kdist's step, the one inside a loss-scaling wrapper, whether a step is
+skipped, and the variables of its EMA."""
 
 import keras
 from keras import ops
+
+from kdist.errors import UsageError
+from kdist.step import context as step_context
 
 
 def inner_optimizer(optimizer):
@@ -55,3 +59,86 @@ def finalize_weights(model):
     averages = ema_variables(getattr(model, "optimizer", None), trainable)
     for variable, average in zip(trainable, averages or ()):
         variable.assign(average.value)
+
+
+def held_by(model):
+    """The model's optimizers: the compiled one and any held as an attribute, or in a
+    list or dict attribute."""
+    found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
+    for value in vars(model).values():
+        found += _optimizers_in(value)
+    return list({id(o): o for o in found}.values())
+
+
+def refuse_nested(model, found):
+    """Makes each optimizer held inside a sub-model or layer, not by the model
+    (`held_by` does not look there), raise `UsageError` when a step kdist
+    runs applies it: kdist applies (and checkpoints) only the optimizers it
+    found, and another would update the weights outside the engine, in the
+    building run too. Outside kdist's steps it works as before, and one no
+    step applies (a trained teacher's) is no error."""
+    known = {id(o) for o in found}
+    for layer in model._flatten_layers(include_self=False):
+        named: dict = {}  # The first name of each, public names first.
+        for name, value in sorted(vars(layer).items(), key=lambda item: item[0].startswith("_")):
+            for optimizer in _optimizers_in(value):
+                named.setdefault(id(optimizer), (name, optimizer))
+        for name, optimizer in named.values():
+            if id(optimizer) not in known and not hasattr(optimizer, "_kdist_apply"):
+                _refuse_apply(optimizer, f"{layer.name}.{name}")
+
+
+def _optimizers_in(value):
+    """The optimizers an attribute holds: itself, or in a list, tuple or dict."""
+    values = value.values() if isinstance(value, dict) else (
+        value if isinstance(value, (list, tuple)) else [value])
+    return [v for v in values if isinstance(v, keras.optimizers.Optimizer)]
+
+
+def _refuse_apply(optimizer, where):
+    original = optimizer.apply
+    optimizer._kdist_apply = original
+
+    def apply(grads, trainable_variables=None):
+        if step_context.active_or_none() is not None:
+            raise UsageError(
+                f"the step applies the optimizer {where} ({type(optimizer).__name__}), held "
+                "by a sub-model: kdist finds a step's optimizers among the model's own "
+                "attributes (an attribute each, or in a list or dict attribute); hold it "
+                "on the model")
+        return original(grads, trainable_variables)
+
+    optimizer.apply = apply
+
+
+def route_apply(optimizer):
+    """Routes `optimizer.apply` through the step's context (once per optimizer).
+
+    In a step kdist runs: the building run only builds the optimizer on the
+    variables it is applied to; a real step leaves out variables without a
+    gradient (as Keras does), records whether a `LossScaleOptimizer` skips
+    the update, and applies it where the engine's optimizers work
+    (`StepContext.optimizer_applying`). Outside a kdist step, `apply` is Keras'."""
+    if getattr(optimizer, "_kdist_apply", None) is not None:
+        return
+    original = optimizer.apply
+    optimizer._kdist_apply = original
+
+    def apply(grads, trainable_variables=None):
+        context = step_context.active_or_none()
+        if context is None or context.applying:  # Outside kdist, or Keras' own call.
+            return original(grads, trainable_variables)
+        if trainable_variables is not None:
+            pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+            grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if context.dry:
+            if not optimizer.built:
+                with context.optimizer_applying(leave_scope=True):
+                    optimizer.build(trainable_variables)
+            return None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            context.skipped.append(skipped(optimizer, grads))
+        return context.primitives.apply(context, optimizer, original, grads,
+                                        trainable_variables)
+
+    optimizer.apply = apply

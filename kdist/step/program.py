@@ -37,7 +37,7 @@ from kdist import tree
 from kdist.errors import UsageError
 from kdist.step import compiled, portable
 from kdist.step import context as step_context
-from kdist.step.optimizer import skipped
+from kdist.step import optimizer as step_optimizer
 
 PHASES = ("train", "test")
 
@@ -71,9 +71,10 @@ class Program:
                 lambda data: compiled.test_step(model, data, compute_loss)),
         }
         self.trains = train and (own or getattr(model, "optimizer", None) is not None)
-        self.optimizers = _optimizers(model)
+        self.optimizers = step_optimizer.held_by(model)
         for optimizer in self.optimizers:
-            _wrap_apply(optimizer)
+            step_optimizer.route_apply(optimizer)
+        step_optimizer.refuse_nested(model, self.optimizers)
         self.metrics = compiled.reported_metrics(model)
         self.metric_variables = [v for m in self.metrics for v in m.variables]
         for variable in self.metric_variables:
@@ -260,49 +261,5 @@ def _flat(logs):
     return flat
 
 
-def _optimizers(model):
-    """The model's optimizers: the compiled one and any held as an attribute, or in a
-    list or dict attribute."""
-    found = [model.optimizer] if getattr(model, "optimizer", None) is not None else []
-    for value in vars(model).values():
-        values = value.values() if isinstance(value, dict) else (
-            value if isinstance(value, (list, tuple)) else [value])
-        found += [v for v in values if isinstance(v, keras.optimizers.Optimizer)]
-    return _unique(found)
-
-
 def _unique(items):
     return list({id(item): item for item in items}.values())
-
-
-def _wrap_apply(optimizer):
-    """Routes `optimizer.apply` through the step's context (once per optimizer).
-
-    In a step kdist runs: the building run only builds the optimizer on the
-    variables it is applied to; a real step leaves out variables without a
-    gradient (as Keras does), records whether a `LossScaleOptimizer` skips
-    the update, and applies it where the engine's optimizers work
-    (`StepContext.optimizer_applying`). Outside a kdist step, `apply` is Keras'."""
-    if getattr(optimizer, "_kdist_apply", None) is not None:
-        return
-    original = optimizer.apply
-    optimizer._kdist_apply = original
-
-    def apply(grads, trainable_variables=None):
-        context = step_context.active_or_none()
-        if context is None or context.applying:  # Outside kdist, or Keras' own call.
-            return original(grads, trainable_variables)
-        if trainable_variables is not None:
-            pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
-            grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]
-        if context.dry:
-            if not optimizer.built:
-                with context.optimizer_applying(leave_scope=True):
-                    optimizer.build(trainable_variables)
-            return None
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            context.skipped.append(skipped(optimizer, grads))
-        return context.primitives.apply(context, optimizer, original, grads,
-                                        trainable_variables)
-
-    optimizer.apply = apply
