@@ -80,7 +80,8 @@ class Interrupted(KdistError, RuntimeError):
     first step, where there was nothing to write).
 
     `signal_name` is the signal this process received ("SIGTERM", ...), or
-    None when another worker's signal stopped every worker.
+    None when another worker's signal, or the `stop` object given to
+    `train_and_evaluate`, stopped it.
     """
 
     def __init__(self, message, signal_name=None):

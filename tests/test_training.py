@@ -175,6 +175,21 @@ class StopAfter:
         return self.checks >= self.chunks
 
 
+class Asked:
+    """A caller's own stop object, true at once, with no signal."""
+
+    def __bool__(self):
+        return True
+
+
+def test_a_stop_object_of_the_caller_is_named_as_what_stopped_the_run(tmp_path, small_dataset):
+    with pytest.raises(training.Interrupted, match="^asked to stop: stopped after epoch 1; "
+                                                   "run the same command") as stopped:
+        training.train_and_evaluate(config(tmp_path, "run", epochs=1), small_dataset,
+                                    log=lambda line: None, stop=Asked())
+    assert stopped.value.signal_name is None and stopped.value.exit_status == 143
+
+
 def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
         tmp_path, small_dataset):
     run(config(tmp_path, "run", epochs=1, keep=3), small_dataset)

@@ -64,8 +64,11 @@ def train_and_evaluate(
         log: called with each line to print.
         stop: if it becomes true (e.g. a `kdist.workers.interrupt.StopRequest`),
             training ends after the current chunk of steps with a checkpoint
-            and `Interrupted`. With several workers, every worker stops
-            after the same step when any one's `stop` is true.
+            and `Interrupted` ("asked to stop: stopped at epoch 1, step
+            6; saved ..."). With several workers, every worker stops after
+            the same step when any one's `stop` is true. With torch's
+            replica processes this process reads it: a callback, which runs
+            in those processes, stops training with `model.stop_training`.
         callbacks: `keras.callbacks.Callback`s, called as `fit` calls them
             (`kdist.loop.hooks`): `model.stop_training = True` ends training
             after the current chunk of steps (on every worker), with a

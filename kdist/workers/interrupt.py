@@ -172,7 +172,11 @@ class AgreedStop:
         return getattr(self.request, "signal_name", None)
 
     def reason(self):
-        return self.signal_name or "another worker was asked to stop"
+        """The signal this process received, or whether its own `request` (a stop
+        object given to the run) or another worker's asked to stop."""
+        if self.signal_name:
+            return self.signal_name
+        return "asked to stop" if self.request else "another worker was asked to stop"
 
 
 @contextlib.contextmanager
