@@ -85,6 +85,8 @@ def test_epoch_lines_show_every_metric_by_its_keras_name():
         "Epoch 3/10, Loss: 0.5000, Accuracy: 81.25%, auc: 0.9123, Test Loss: 0.6250, "
         "Test Accuracy: 75.00%, Test auc: 0.8750 (2.0 s, 512 samples/s)")
     assert records.EpochRecord.from_dict(record.as_dict()) == record
+    untested = records.EpochRecord(1, {"loss": 0.5}, {}, 2.0, 512.0)  # A step with no test step.
+    assert reporting.format_epoch(untested, 2) == "Epoch 1/2, Loss: 0.5000 (2.0 s, 512 samples/s)"
 
 
 def test_a_full_disk_is_one_metrics_error():

@@ -137,9 +137,9 @@ def format_epoch(record, epochs, show_skipped=False):
              f"{record.seconds:.1f} s, {record.samples_per_sec:,.0f} samples/s")
     if show_skipped or record.skipped_steps:
         speed += f"; {_count(record.skipped_steps, 'step')} skipped"
-    return (f"Epoch {record.epoch}/{epochs}, {format_results(record.train)}, "
-            f"{format_results({f'test_{k}': v for k, v in record.test.items()}, 'test_')} "
-            f"({speed})")
+    parts = [f"Epoch {record.epoch}/{epochs}", format_results(record.train),
+             format_results({f"test_{k}": v for k, v in record.test.items()}, "test_")]
+    return f"{', '.join(p for p in parts if p)} ({speed})"
 
 
 class MetricsWriter:
