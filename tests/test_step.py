@@ -110,6 +110,14 @@ def test_a_metric_whose_variables_do_not_add_up_over_examples_is_refused():
     model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse"])
     build_metrics(model, x, np.zeros((2, 1), np.float32))  # Keras' own add up.
 
+    class Ratio(keras.metrics.Sum):  # A sum, NaN on the sample's zero targets.
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            y_true = ops.convert_to_tensor(y_true)
+            super().update_state(y_true / y_true)
+
+    model.compile(optimizer="sgd", loss="mse", metrics=[Ratio(name="ratio")])
+    build_metrics(model, x, np.zeros((2, 1), np.float32))
+
 
 def test_a_metric_whose_result_is_not_a_number_is_refused_before_training():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])

@@ -119,8 +119,9 @@ def _check_sums(model, batch):
     (every Keras metric), and wrong for one that reads its own state in
     other ways (a running maximum) or counts batches. Tried on `batch`, (x,
     y, y_pred, sample_weight): the change from the batch twice over, in one
-    update, must be twice the batch's. (A variable aggregated otherwise than
-    by "sum" is refused by `kdist.step.program.Program`.)
+    update, must be twice the batch's (a NaN, which a sum may hold on the
+    sample's zero targets, counts as equal to a NaN). (A variable aggregated
+    otherwise than by "sum" is refused by `kdist.step.program.Program`.)
     """
     metrics = [m for m in reported_metrics(model)
                if all(getattr(v, "aggregation", "sum") == "sum" for v in m.variables)]
@@ -135,7 +136,7 @@ def _check_sums(model, batch):
 
     twice = tuple(tree.map_arrays(lambda a: ops.concatenate([a, a]), part) for part in batch)
     for variable, once, both in zip(variables, change(batch), change(twice)):
-        if not np.allclose(2 * once, both, rtol=1e-4, atol=1e-6):
+        if not np.allclose(2 * once, both, rtol=1e-4, atol=1e-6, equal_nan=True):
             raise UsageError(
                 f"metric variable {variable.path!r} does not add up over examples: it "
                 f"changes by {both.ravel()[:3].tolist()} for a batch twice over but by "
