@@ -5,10 +5,12 @@ import os
 import shutil
 
 import h5py
+import keras
 import numpy as np
 import pytest
 from helpers import SEVERAL, edit_metadata
 
+import kdist
 from kdist import checkpoints
 from kdist.inputs.base import Inputs
 from kdist.loop import training
@@ -188,6 +190,34 @@ def test_a_stop_object_of_the_caller_is_named_as_what_stopped_the_run(tmp_path, 
         training.train_and_evaluate(config(tmp_path, "run", epochs=1), small_dataset,
                                     log=lambda line: None, stop=Asked())
     assert stopped.value.signal_name is None and stopped.value.exit_status == 143
+
+
+def test_a_mid_epoch_resume_keeps_the_learning_rate_callbacks_set_at_the_epochs_start(
+        tmp_path, small_dataset):
+    # The checkpoint holds the rate the scheduler set at epoch 2's start; calling
+    # on_epoch_begin again on the resume must not halve it a second time.
+    def train(name, stop=None):
+        halving = keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5)
+        return training.train_and_evaluate(
+            config(tmp_path, name, epochs=2, steps_per_execution=1), small_dataset,
+            log=lambda line: None, stop=stop, callbacks=[halving])
+
+    straight = train("straight")
+    with pytest.raises(training.Interrupted, match="epoch 2, step"):
+        train("resumed", stop=StopAfter(9))
+    resumed = train("resumed")
+    assert resumed.history["learning_rate"] == straight.history["learning_rate"]
+    worst = max(float(np.abs(a - b).max()) for a, b in
+                zip(resumed.model.get_weights(), straight.model.get_weights()))
+    assert worst <= 1e-6, f"the resumed run ends {worst} from the straight one"
+
+
+def test_a_keras_backup_and_restore_is_refused_before_any_work(tmp_path, small_dataset):
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    with pytest.raises(kdist.UsageError, match="BackupAndRestore loads its own backup"):
+        training.train_and_evaluate(config(tmp_path, "run"), small_dataset,
+                                    log=lambda line: None, callbacks=[backup])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "backup").exists()
 
 
 def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(

@@ -14,8 +14,10 @@ adds what data parallelism needs:
   the engine's collective (`any_worker`) after each chunk and each epoch,
   so every worker stops after the same step;
 - on a worker other than the chief, the callbacks that write files
-  (`CSVLogger`, `TensorBoard`, `ModelCheckpoint`, `BackupAndRestore`) are
-  left out: only the chief writes;
+  (`CSVLogger`, `TensorBoard`, `ModelCheckpoint`) are left out: only the
+  chief writes; `BackupAndRestore` is refused (`check_callbacks`);
+- on a resume in the middle of an epoch, `on_epoch_begin` runs again with
+  the learning rates kept as the checkpoint holds them;
 - on torch, where each replica is a process that runs copies of the
   callbacks, the chief's copies' attributes come back into the caller's
   callbacks at the end (`portable_states`, `take_states`).
@@ -28,11 +30,24 @@ from typing import Any
 import keras
 
 from kdist.engines.contract import Engine
+from kdist.errors import UsageError
 from kdist.loop.tensorboard import RunToTensorBoard
 
 WRITES_FILES = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
-                keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore,
-                RunToTensorBoard)
+                keras.callbacks.ModelCheckpoint, RunToTensorBoard)
+
+
+def check_callbacks(callbacks: Sequence[keras.callbacks.Callback]) -> None:
+    """Raises `UsageError`, before any work, for a callback kdist cannot run:
+    `BackupAndRestore`, which at `on_train_begin` loads its own backup over the
+    checkpoint kdist resumed from (a mid-epoch resume then lost the epoch's
+    steps before it, silently)."""
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore):
+            raise UsageError(
+                "keras.callbacks.BackupAndRestore loads its own backup over the checkpoint "
+                "kdist resumes from; kdist checkpoints and resumes by itself "
+                "(checkpoint_dir, checkpoint_every_steps): leave it out")
 
 
 class Hooks:
@@ -50,10 +65,15 @@ class Hooks:
         self.stopped = False  # Whether a callback's stop has been agreed on.
         model.stop_training = False
 
-    def _call(self, method: str, *args: Any) -> None:
+    def _call(self, method: str, *args: Any, keep: Sequence[Any] = ()) -> None:
+        """Calls `method` of every callback on the model as it is; the variables in
+        `keep` get back the values they had before."""
         if self.active:
             self.engine.sync_to_model()
+            kept = [(v, keras.ops.convert_to_numpy(v.value)) for v in keep]
             getattr(self.callbacks, method)(*args)
+            for variable, value in kept:
+                variable.assign(value)
             self.engine.sync_from_model()
 
     def train_begin(self) -> None:
@@ -62,9 +82,11 @@ class Hooks:
     def train_end(self, logs: dict[str, float]) -> None:
         self._call("on_train_end", dict(logs))
 
-    def epoch_begin(self, epoch: int) -> None:
-        """`epoch` counted from 0, as Keras counts it."""
-        self._call("on_epoch_begin", epoch)
+    def epoch_begin(self, epoch: int, keep: Sequence[Any] = ()) -> None:
+        """`epoch` counted from 0, as Keras counts it. The variables in `keep` (the
+        learning rates, on a resume in the middle of the epoch, whose checkpoint
+        holds what the callbacks set at its beginning) keep their values."""
+        self._call("on_epoch_begin", epoch, keep=keep)
 
     def epoch_end(self, epoch: int, logs: dict[str, float]) -> dict[str, float]:
         """Returns what the callbacks added to `logs` ("learning_rate", say), as in

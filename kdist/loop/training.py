@@ -26,7 +26,7 @@ from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
 from kdist.loop.result import TrainingResult, epoch_logs, keras_history
 from kdist.loop.run import Run
 from kdist.models.cnn import create_model
-from kdist.step.optimizer import finalize_weights
+from kdist.step.optimizer import finalize_weights, learning_rates
 from kdist.workers import interrupt
 from kdist.workers.processes import REPLICA_PROCESSES_VARIABLE
 
@@ -81,6 +81,7 @@ def train_and_evaluate(
     (the evaluation of the latest checkpoint in a fresh, undistributed model).
     """
     checks.check_config(config)
+    hooks.check_callbacks(callbacks)
     joining.join_from_environment()  # Several workers: a script under a cluster's launcher.
     with interrupt.stop_of_run(stop, engines.connected()) as stop:
         processes = engines.replica_processes(config.replicas)
@@ -130,7 +131,8 @@ def _train(run, log, stop, callbacks):
     calls = hooks.Hooks([*callbacks, *own], run.model, run.engine, config.epochs, run.steps)
     calls.train_begin()
     while position.epoch < config.epochs and not position.stopped:
-        calls.epoch_begin(position.epoch)
+        calls.epoch_begin(position.epoch, learning_rates(run.step.optimizers)
+                          if position.step_in_epoch else ())
         position, record = run.train_epoch(position, stop, calls, log)
         if record is not None:  # The epoch's steps are done and it is evaluated.
             log(reporting.format_epoch(record, config.epochs, run.dynamic_loss_scale))

@@ -61,6 +61,14 @@ def finalize_weights(model):
         variable.assign(average.value)
 
 
+
+def learning_rates(optimizers):
+    """The learning-rate variables of `optimizers` (those with a schedule have none:
+    their rate follows their step count)."""
+    rates = [getattr(inner_optimizer(o), "_learning_rate", None) for o in optimizers]
+    return [r for r in rates if isinstance(r, keras.Variable)]
+
+
 def held_by(model):
     """The model's optimizers: the compiled one and any held as an attribute, or in a
     list or dict attribute."""
