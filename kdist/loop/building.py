@@ -132,6 +132,6 @@ def _takes_class_indices(loss):
     targets are class indices, none of them ignored (`ignore_class`: any
     target may then be the ignored value)."""
     if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
-        return loss._fn_kwargs.get("ignore_class") is None
+        return loss.get_config().get("ignore_class") is None
     name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
     return name in ("sparse_categorical_crossentropy", "SparseCategoricalCrossentropy")

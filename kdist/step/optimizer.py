@@ -61,7 +61,6 @@ def finalize_weights(model):
         variable.assign(average.value)
 
 
-
 def learning_rates(optimizers):
     """The learning-rate variables of `optimizers` (those with a schedule have none:
     their rate follows their step count)."""
@@ -104,10 +103,7 @@ def _optimizers_in(value):
 
 
 def _refuse_apply(optimizer, where):
-    original = optimizer.apply
-    optimizer._kdist_apply = original
-
-    def apply(grads, trainable_variables=None):
+    def apply(original, grads, trainable_variables=None):
         if step_context.active_or_none() is not None:
             raise UsageError(
                 f"the step applies the optimizer {where} ({type(optimizer).__name__}), held "
@@ -116,7 +112,16 @@ def _refuse_apply(optimizer, where):
                 "on the model")
         return original(grads, trainable_variables)
 
-    optimizer.apply = apply
+    _replace_apply(optimizer, apply)
+
+
+def _replace_apply(optimizer, apply):
+    """Makes `optimizer.apply(grads, variables)` call `apply(Keras' apply, grads,
+    variables)`; Keras' own stays at `optimizer._kdist_apply`."""
+    original = optimizer.apply
+    optimizer._kdist_apply = original
+    optimizer.apply = lambda grads, trainable_variables=None: apply(
+        original, grads, trainable_variables)
 
 
 def route_apply(optimizer):
@@ -129,10 +134,8 @@ def route_apply(optimizer):
     (`StepContext.optimizer_applying`). Outside a kdist step, `apply` is Keras'."""
     if getattr(optimizer, "_kdist_apply", None) is not None:
         return
-    original = optimizer.apply
-    optimizer._kdist_apply = original
 
-    def apply(grads, trainable_variables=None):
+    def apply(original, grads, trainable_variables=None):
         context = step_context.active_or_none()
         if context is None or context.applying:  # Outside kdist, or Keras' own call.
             return original(grads, trainable_variables)
@@ -149,4 +152,4 @@ def route_apply(optimizer):
         return context.primitives.apply(context, optimizer, original, grads,
                                         trainable_variables)
 
-    optimizer.apply = apply
+    _replace_apply(optimizer, apply)
