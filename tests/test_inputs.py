@@ -21,7 +21,7 @@ from test_training import StopAfter, checkpoint_arrays, without_timing
 
 from kdist import engines
 from kdist.errors import DataError, UsageError
-from kdist.inputs import base, pipelines, sources, tfdata
+from kdist.inputs import base, batching, pipelines, sources, tfdata
 from kdist.loop import building, chunks, prefetch, training
 
 needs_tf = pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None,
@@ -110,9 +110,9 @@ def test_batches_of_any_size_are_recut_into_global_batches():
     x, y = TRAIN
     sizes = [5, 7, 3, 9, 1, 15]
     edges = np.cumsum([0] + sizes)
-    check = base.BatchCheck("the data")
+    check = batching.BatchCheck("the data")
     pairs = (check((x[a:b], y[a:b]), i) for i, (a, b) in enumerate(zip(edges, edges[1:])))
-    got = list(base.cut(base.drop_rows(pairs, 4), 8))
+    got = list(batching.cut(batching.drop_rows(pairs, 4), 8))
     assert [rows for _, rows in got] == [8, 8, 8, 8, 4]
     np.testing.assert_array_equal(np.concatenate([b[0] for b, _ in got]), x[4:40])
     np.testing.assert_array_equal(np.concatenate([b[1] for b, _ in got]), y[4:40])
@@ -130,7 +130,7 @@ def test_batches_of_any_size_are_recut_into_global_batches():
     ([np.zeros((4, 8))], r"batch 0 is a ndarray; every batch must be a tuple \(x, y\)"),
 ])
 def test_bad_batches_are_named(batches, message):
-    check = base.BatchCheck("the train data")
+    check = batching.BatchCheck("the train data")
     with pytest.raises(DataError, match="the train data: " + message):
         for index, batch in enumerate(batches):
             check(batch, index)

@@ -27,6 +27,7 @@ from kdist.bench.measure import EpochTimes, paired_ratios
 from kdist.errors import UsageError
 from kdist.inputs import base
 from kdist.inputs.arrays import ArraySource
+from kdist.inputs.batching import worker_rows
 from kdist.loop import building
 from kdist.loop.chunks import run_steps, zero_totals
 from kdist.step import draws
@@ -137,7 +138,7 @@ def run(dataset, replicas, batch_size_per_replica, steps, windows, log=print):
                                shard=engine.shard)
         run_steps(engine, engine.train_chunk, draws.attach(
             batches, program.draws["train"], 0, draws.TRAIN, epoch, 0, global_batch,
-            base.worker_rows(global_batch, engine.shard)), zero_totals(program))
+            worker_rows(global_batch, engine.shard)), zero_totals(program))
         times["kdist"].append(time.perf_counter() - start)
         if theirs is not None:
             timer = EpochTimes()

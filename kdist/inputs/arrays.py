@@ -15,7 +15,8 @@ import dataclasses
 import numpy as np
 
 from kdist.errors import DataError
-from kdist.inputs.base import SizedSource, Stream, check_class_labels, eval_steps
+from kdist.inputs.base import SizedSource, Stream, eval_steps
+from kdist.inputs.batching import check_class_labels
 from kdist.tree import Arrays, leaves, num_examples, take_rows
 
 

@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, cast
 
 from kdist import tree
 from kdist.errors import DataError
-from kdist.inputs import base, tfdata
+from kdist.inputs import base, batching, tfdata
 
 
-class _StreamSource(base.CheckedSource):
+class _StreamSource(batching.CheckedSource):
     """A source read front to back, once per epoch; subclasses open the epoch's
     pass (`_open`), which may skip whole batches itself, and say whether
     several workers each read a share of their own (`own_shares`)."""
@@ -50,7 +50,7 @@ class _StreamSource(base.CheckedSource):
 
     def __init__(self, what):
         self.what = what
-        self.check = base.BatchCheck(what)
+        self.check = batching.BatchCheck(what)
         self._first = None
 
     if TYPE_CHECKING:
@@ -97,11 +97,11 @@ class _StreamSource(base.CheckedSource):
             batches, skipped = self._open(epoch, skip, rows, shard if own else (0, 1))
             # Only a source of static batches (`batch`) skips whole batches itself.
             first = skipped // cast(int, getattr(self, "batch", None)) if skipped else 0
-            pairs = base.drop_rows(self._checked(batches, first), skip - skipped)
+            pairs = batching.drop_rows(self._checked(batches, first), skip - skipped)
             if own:
-                yield from base.local_batches(pairs, rows, start_step, limit, self.what)
+                yield from batching.local_batches(pairs, rows, start_step, limit, self.what)
             else:
-                yield from base.train_slices(base.cut(pairs, global_batch), global_batch,
+                yield from batching.train_slices(batching.cut(pairs, global_batch), global_batch,
                                                start_step, limit, shard, self.what)
 
         return base.Stream(slices(), shared_end=own)
@@ -109,7 +109,7 @@ class _StreamSource(base.CheckedSource):
     def evaluate(self, global_batch, shard=(0, 1)):
         def slices():
             batches, _ = self._open(0, 0, global_batch)
-            yield from base.eval_slices(base.cut(self._checked(batches), global_batch),
+            yield from batching.eval_slices(batching.cut(self._checked(batches), global_batch),
                                           global_batch, shard, self.what)
 
         return base.Stream(slices())
@@ -125,7 +125,7 @@ class TfDataSource(_StreamSource):
         import tensorflow as tf
 
         super().__init__(what)
-        self.check = base.BatchCheck(what, regrouped=True)
+        self.check = batching.BatchCheck(what, regrouped=True)
         self.dataset = dataset
         spec = dataset.element_spec
         if not isinstance(spec, tuple) or len(spec) not in (2, 3):
@@ -190,7 +190,7 @@ class TfDataSource(_StreamSource):
     def evaluate(self, global_batch, shard=(0, 1)):
         def slices():
             batches = tfdata.numpy_batches(self._reading(global_batch), self.what)  # Any order.
-            yield from base.eval_slices(base.cut(self._checked(batches), global_batch),
+            yield from batching.eval_slices(batching.cut(self._checked(batches), global_batch),
                                           global_batch, shard, self.what)
 
         return base.Stream(slices())

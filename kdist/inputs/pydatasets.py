@@ -17,7 +17,7 @@ import numpy as np
 
 from kdist import tree
 from kdist.errors import DataError
-from kdist.inputs import arrays, base
+from kdist.inputs import arrays, base, batching
 
 
 def is_py_dataset(given):
@@ -26,7 +26,7 @@ def is_py_dataset(given):
     return isinstance(given, keras.utils.PyDataset)
 
 
-class PyDatasetSource(base.SizedSource, base.CheckedSource):
+class PyDatasetSource(base.SizedSource, batching.CheckedSource):
     """A keras.utils.PyDataset, read by index (see the module docstring); a subclass
     reads another indexed kind through `_count`, `_get` and `_order`."""
 
@@ -34,7 +34,7 @@ class PyDatasetSource(base.SizedSource, base.CheckedSource):
 
     def __init__(self, dataset, what):
         self.dataset, self.what = dataset, what
-        self.check = base.BatchCheck(what)
+        self.check = batching.BatchCheck(what)
         count = self._count()
         if count == 0:
             raise DataError(f"{what} is empty (a {self.kind} of no batches)")
@@ -96,7 +96,7 @@ class PyDatasetSource(base.SizedSource, base.CheckedSource):
             parts.append(tree.take_rows(self._read(order[position], epoch),
                                         slice(first - starts[position], end - starts[position])))
             first, position = end, position + 1
-        return base.concat(parts)
+        return batching.concat(parts)
 
     def _layout(self, order):
         return np.concatenate([[0], np.cumsum(self.sizes[order])])
@@ -106,7 +106,7 @@ class PyDatasetSource(base.SizedSource, base.CheckedSource):
             order = self._order(seed, epoch)
             starts = self._layout(order)
             steps = self.steps_per_epoch(global_batch, limit)
-            rows = base.worker_rows(global_batch, shard)
+            rows = batching.worker_rows(global_batch, shard)
             self._cached = (None, None)
             getattr(self.dataset, "on_epoch_begin", _nothing)()  # A PyDataset's hooks.
             for step in range(start_step, steps):
@@ -120,7 +120,7 @@ class PyDatasetSource(base.SizedSource, base.CheckedSource):
         def slices():
             order = np.arange(len(self.sizes))
             starts, size = self._layout(order), self.size()
-            full, rows = self.eval_steps(global_batch), base.worker_rows(global_batch, shard)
+            full, rows = self.eval_steps(global_batch), batching.worker_rows(global_batch, shard)
             for step in range(full):
                 offset = step * global_batch
                 yield self._rows(order, starts, offset + rows.start, offset + rows.stop), False

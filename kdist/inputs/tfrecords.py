@@ -39,7 +39,7 @@ import numpy as np
 
 from kdist import tree
 from kdist.errors import DataError, UsageError
-from kdist.inputs import base, tfdata
+from kdist.inputs import base, batching, tfdata
 
 INDEX = "kdist-records.json"
 READ_BUFFER = 1 << 20  # Bytes read ahead per file.
@@ -121,7 +121,7 @@ class TFRecords:
     transform: Callable[[Any, Any], tuple[Any, Any]] | None = None
 
 
-class TFRecordSource(base.CheckedSource):
+class TFRecordSource(batching.CheckedSource):
     """The source that streams a `TFRecords` split (see `kdist.inputs`)."""
 
     kind = "TFRecord files"
@@ -145,7 +145,7 @@ class TFRecordSource(base.CheckedSource):
                             f"{len(self.files)} files); write the split again")
         if not sum(self.counts):
             raise DataError(f"{what} is empty")
-        self.check = base.BatchCheck(what, regrouped=True)
+        self.check = batching.BatchCheck(what, regrouped=True)
 
     def size(self):
         return sum(self.counts)
@@ -213,7 +213,7 @@ class TFRecordSource(base.CheckedSource):
             for step, batch in enumerate(tfdata.numpy_batches(batches, self.what), start_step):
                 batch, _ = self.check(batch, step)
                 yield batch if sharded else tree.take_rows(
-                    batch, base.worker_rows(global_batch, shard))
+                    batch, batching.worker_rows(global_batch, shard))
 
         return base.Stream(slices())
 
@@ -222,6 +222,6 @@ class TFRecordSource(base.CheckedSource):
             batches = self._batches(self._examples(self.files), global_batch)
             pairs = (self.check(b, i)
                      for i, b in enumerate(tfdata.numpy_batches(batches, self.what)))
-            yield from base.eval_slices(pairs, global_batch, shard, self.what)
+            yield from batching.eval_slices(pairs, global_batch, shard, self.what)
 
         return base.Stream(slices())

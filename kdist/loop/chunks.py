@@ -13,7 +13,7 @@ import numpy as np
 from kdist import tree
 from kdist.errors import UsageError
 from kdist.inputs import arrays
-from kdist.inputs.base import worker_rows
+from kdist.inputs.batching import worker_rows
 from kdist.loop import prefetch
 from kdist.step import draws
 

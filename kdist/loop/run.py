@@ -17,7 +17,8 @@ import keras
 from kdist import checkpoints, engines, records
 from kdist.checkpoints import background
 from kdist.errors import CheckpointError, TrainingError, UsageError
-from kdist.inputs import base, pipelines
+from kdist.inputs import pipelines
+from kdist.inputs.batching import worker_rows
 from kdist.loop import building, reporting
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
 from kdist.runtime import memory
@@ -89,7 +90,7 @@ class Run:
             limit=self.limit, shard=self.engine.shard)
         with_draws = draws.attach(batches, self.step.draws["train"], self.config.seed,
                                   draws.TRAIN, epoch, first_step, self.global_batch,
-                                  base.worker_rows(self.global_batch, self.engine.shard))
+                                  worker_rows(self.global_batch, self.engine.shard))
         progress = (reporting.ProgressBar(self.steps, first_step) if self.config.progress
                     else None)
         on_step = step_callback(self.step, epoch, first_step, self.global_batch, progress,

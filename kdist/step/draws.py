@@ -4,7 +4,7 @@ The building run of a step (`kdist.step.program.Program.build`) records
 the draws the step makes: per call, its kind and the shape of one example's
 row. For every batch the loop then draws them for the whole global batch
 with NumPy, from (seed, phase, epoch, step), and each worker keeps the
-rows of its examples, as it does with the data (`kdist.inputs.base.worker_rows`);
+rows of its examples, as it does with the data (`kdist.inputs.batching.worker_rows`);
 the engine splits them over replicas along with the batch. Inside the
 step, `take` hands them out in call order.
 """
