@@ -142,7 +142,7 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
 def test_evaluate_without_checkpoint_is_a_clear_error(tmp_path):
     result = script(EVALUATE, "--synthetic", "--checkpoint-dir", str(tmp_path))
     assert result.returncode == 1
-    assert result.stderr.startswith("error: no checkpoint in ")
+    assert result.stderr.startswith("evaluate.py: error: no checkpoint in ")
 
 
 def other_model_checkpoint(folder):
@@ -165,8 +165,8 @@ def test_evaluating_a_checkpoint_of_another_model_names_no_training_flag(tmp_pat
     path = other_model_checkpoint(tmp_path)
     result = script(EVALUATE, "--synthetic", "600", "--checkpoint-dir", str(tmp_path))
     assert result.returncode == 1
-    assert result.stderr == (f"error: {path} was written for a different model; evaluate it "
-                             "with the model it was trained with\n")
+    assert result.stderr == (f"evaluate.py: error: {path} was written for a different model; "
+                             "evaluate it with the model it was trained with\n")
     flags = set(re.findall(r"--[a-z-]+", script(EVALUATE, "--help").stdout))
     assert set(re.findall(r"--[a-z-]+", result.stderr)) <= flags
 
@@ -260,8 +260,8 @@ def test_a_second_run_on_the_same_folder_is_refused(tmp_path):
         first.send_signal(signal.SIGTERM)
         first.communicate(timeout=120)
     assert second.returncode == 1
-    assert second.stderr.startswith(f"error: checkpoint folder {folder} is in use by another "
-                                    f"run (pid {holder.group(1)} on host ")
+    assert second.stderr.startswith(f"train.py: error: checkpoint folder {folder} is in use "
+                                    f"by another run (pid {holder.group(1)} on host ")
     assert first.pid in (int(holder.group(1)), parent)
     assert second.stderr.count("\n") == 1
     assert first.returncode == 128 + signal.SIGTERM
@@ -273,7 +273,7 @@ def test_full_disk_is_one_error_line_and_the_older_checkpoint_stays(small_tmpfs)
     result = script(TRAIN, *SMALL, "--epochs", "2", "--steps-per-epoch", "2",
                     "--checkpoint-every", "1", "--checkpoint-dir", folder)
     assert result.returncode == 1, result.stderr
-    assert result.stderr == f"error: cannot write checkpoint in {folder}: " \
+    assert result.stderr == f"train.py: error: cannot write checkpoint in {folder}: " \
                             "No space left on device\n"
     assert os.listdir(folder) == ["ckpt-00000002.weights.h5"]
 
@@ -352,7 +352,8 @@ def test_a_full_disk_under_the_metrics_file_is_one_line_after_the_checkpoint(
                              str(tmp_path / "m.jsonl"), "--checkpoint-dir", str(tmp_path / "ck")])
     err = capsys.readouterr().err
     assert code == 1
-    assert err.startswith(f"error: cannot write the metrics file {tmp_path / 'm.jsonl'} "
+    prog = train_cli.command_name("python -m kdist")  # As the command names itself here.
+    assert err.startswith(f"{prog}: error: cannot write the metrics file {tmp_path / 'm.jsonl'} "
                           "(No space left on device)") and err.count("\n") == 1
     assert os.listdir(tmp_path / "ck") == ["ckpt-00000002.weights.h5"]
 
@@ -365,8 +366,8 @@ def test_bad_labels_in_a_data_dir_are_one_line(tmp_path):
     result = script(TRAIN, "--data-dir", str(folder), "--batch-size-per-replica", "16",
                     "--epochs", "1", "--checkpoint-dir", str(tmp_path / "ck"))
     assert result.returncode == 1
-    assert result.stderr == (f"error: {folder}: test label 12 (example 2) is not a class of "
-                             "the model, which has 10 (0..9); 1 labels are out of range\n")
+    assert result.stderr == (f"train.py: error: {folder}: test label 12 (example 2) is not a "
+                             "class of the model, which has 10 (0..9); 1 labels are out of range\n")
 
 
 def test_keras_json_chooses_the_backend_when_keras_backend_is_unset(tmp_path):

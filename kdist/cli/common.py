@@ -26,7 +26,7 @@ def _interrupted(parser, error):
 
 
 def _failed(parser, error):
-    print(f"error: {error}", file=sys.stderr)
+    print(f"{parser.prog}: error: {error}", file=sys.stderr)  # As argparse names its own.
     return 1
 
 

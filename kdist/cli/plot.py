@@ -72,9 +72,10 @@ def main(argv=None):
     try:
         print(plot_curves(args.metrics_file, args.output))
     except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 1
     except ImportError:
-        print("error: plotting needs matplotlib; pip install 'kdist[plot]'", file=sys.stderr)
+        print(f"{parser.prog}: error: plotting needs matplotlib; pip install 'kdist[plot]'",
+              file=sys.stderr)
         return 1
     return 0
