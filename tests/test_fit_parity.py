@@ -368,3 +368,66 @@ def test_the_keras_guides_own_train_step_with_compiled_metrics_trains_as_fit(rep
     assert sorted(ours) == ["accuracy", "loss"]
     assert ours["loss"] == pytest.approx(theirs["loss"][0], rel=1e-5)
     assert ours["accuracy"] == pytest.approx(theirs["accuracy"][0], abs=1e-6)
+
+
+def counted_losses():
+    """Three outputs whose losses Keras divides by a count of the batch, or not at all:
+    a masked sequence (sparse cross-entropy over the valid steps: Embedding's mask
+    reaches the per-step logits), a sum, and a mean over the sample weights."""
+    tokens = keras.Input((5,), dtype="int32")
+    hidden = keras.layers.Dense(6, activation="tanh")(
+        keras.layers.Embedding(7, 4, mask_zero=True)(tokens))
+    pooled = keras.layers.GlobalAveragePooling1D()(hidden)
+    model = keras.Model(tokens, {
+        "steps": keras.layers.Dense(3, name="steps")(hidden),
+        "total": keras.layers.Dense(1, activation="sigmoid", name="total")(pooled),
+        "weighted": keras.layers.Dense(1, name="weighted")(pooled)})
+    model.compile(
+        optimizer=keras.optimizers.SGD(0.2),
+        loss={"steps": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              "total": keras.losses.BinaryCrossentropy(reduction="sum"),
+              "weighted": keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")},
+        loss_weights={"steps": 1.0, "total": 0.05, "weighted": 1.0},
+        # A masked accuracy, and an IoU of integer sums (on TensorFlow's replicas too).
+        metrics={"steps": ["accuracy", keras.metrics.MeanIoU(3, sparse_y_pred=False,
+                                                              name="iou")]})
+    return model
+
+
+def counted_data(n, seed):
+    """Sequences of 1 to 5 tokens (0 pads them), so each share of a batch holds
+    another number of valid steps; per-step classes, a flag, a value; weights."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 6, n)
+    tokens = np.where(np.arange(5) < lengths[:, None], rng.integers(1, 7, (n, 5)), 0)
+    y = {"steps": (tokens % 3).astype(np.int32),
+         "total": (lengths > 2).astype(np.float32)[:, None],
+         "weighted": (tokens.sum(axis=1, keepdims=True) / 10).astype(np.float32)}
+    # Weights per output, per step for the steps: Keras' fit refuses weights of shape
+    # (n,) (JAX, torch) or (n, 1) (torch) against the masked (n, 5) losses.
+    weights = rng.uniform(0.2, 3.0, (n, 1)).astype(np.float32)
+    return tokens.astype(np.int32), y, {"steps": np.repeat(weights, 5, axis=1),
+                                        "total": weights, "weighted": weights}
+
+
+@pytest.mark.parametrize("replicas", [2, 4])
+def test_losses_divided_by_a_count_of_the_batch_use_the_global_batchs(replicas):
+    """A masked loss, a sum and a mean over sample weights: each replica's share
+    holds other counts than the global batch, and one step equals `fit`'s on it."""
+    x, y, weights = counted_data(BATCH, seed=6)
+    start = initial_weights(counted_losses)
+    engine, model, step = on_kdist(counted_losses, replicas, (x, y, weights), start)
+    reference = on_keras(counted_losses, start)
+    reference.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, shuffle=False,
+                  verbose=0)
+    assert_close(model.get_weights(), reference.get_weights(), 1e-6)
+
+    test_x, test_y, test_weights = counted_data(1001, seed=7)
+    results = chunks.evaluate(engine, step, test_x, test_y, test_weights, BATCH)
+    expected = reference.evaluate(test_x, test_y, sample_weight=test_weights,
+                                  batch_size=BATCH, verbose=0, return_dict=True)
+    assert set(results) == set(expected)
+    for name, value in expected.items():
+        if name.endswith("_loss") and keras.backend.backend() == "tensorflow":
+            continue  # TensorFlow's evaluate: its per-output losses of the last batch (above).
+        assert results[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 from helpers import children, prepare, two_processes
+from test_fit_parity import assert_close, counted_data, counted_losses, initial_weights, on_keras
 from test_training import checkpoint_arrays
 
 from kdist import checkpoints, engines, tree
@@ -69,6 +70,42 @@ def test_n_processes_match_one_after_an_sgd_step(outcomes, count):
         np.testing.assert_allclose(many, one, atol=1e-5, rtol=0)
     assert multi_stats["count"] == single_stats["count"] == GLOBAL_BATCH
     assert np.isclose(multi_stats["loss_sum"], single_stats["loss_sum"], rtol=1e-5)
+
+
+def counted_step_and_evaluation(start, batch, test, log, stop):
+    """In each process: one SGD step of `counted_losses` from `start` on this
+    process's shard of `batch`, then an evaluation of `test`."""
+    engine = engines.create_engine()
+    global_batch = len(batch[0])
+    model, step = prepare(engine, global_batch, counted_losses, optimizer_fn=None,
+                          learning_rate=None, sample=tree.take_rows(batch, slice(0, 2)))
+    model.set_weights(start)
+    rank, count = engine.shard
+    share = tree.take_rows(batch, slice(rank * global_batch // count,
+                                        (rank + 1) * global_batch // count))
+    engine.train_chunk(engine.distribute(chunks.stack_chunk([share])), 1)
+    engine.sync_to_model()
+    return [np.array(w) for w in model.get_weights()], chunks.evaluate(
+        engine, step, *test, global_batch)
+
+
+def test_losses_divided_by_a_count_of_the_batch_use_the_global_batchs():
+    """A masked loss, a sum and a mean over sample weights, on 2 processes whose
+    shares hold other counts than the global batch: one step and an evaluation
+    equal `fit` and `evaluate` on one process (test_fit_parity has the model)."""
+    batch, test = counted_data(2 * GLOBAL_BATCH, seed=6), counted_data(1001, seed=7)
+    start = initial_weights(counted_losses)
+    weights, results = replicas.run(2, counted_step_and_evaluation,
+                                    dict(start=start, batch=batch, test=test))
+    reference = on_keras(counted_losses, start)
+    reference.fit(batch[0], batch[1], sample_weight=batch[2], batch_size=2 * GLOBAL_BATCH,
+                  epochs=1, shuffle=False, verbose=0)
+    assert_close(weights, reference.get_weights(), 1e-6)
+    expected = reference.evaluate(*test[:2], sample_weight=test[2], batch_size=2 * GLOBAL_BATCH,
+                                  verbose=0, return_dict=True)
+    assert set(results) == set(expected)
+    for name, value in expected.items():
+        assert results[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
 
 
 @pytest.mark.parametrize("count", [2, 4])

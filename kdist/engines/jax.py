@@ -283,6 +283,12 @@ class Primitives(step_context.Primitives):
         """The program sees the whole global batch: its gradients are already global."""
         return grads
 
+    def replicas_sharing(self):
+        return 1  # The program sees the whole global batch.
+
+    def sum_over_shares(self, values):
+        return values
+
     def apply(self, context, optimizer, apply, grads, variables):
         """Keras' `stateless_apply` on the scope's values; its results become the
         scope's. (A stateful `apply` would assign inside Keras' `ops.cond`

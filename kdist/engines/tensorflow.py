@@ -153,7 +153,7 @@ class Engine(contract.Engine):
         self._train_chunk: Any = (self._distributed(lambda b: replica_step(b, True), shapes)
                              if program.trains else None)
         self._eval_chunk = self._distributed(lambda b: replica_step(b, False), shapes)
-        self._eval_whole = self._counted_once(lambda b: replica_step(b, False))
+        self._eval_whole = self._counted_once(lambda b: replica_step(b, False, whole=True))
 
     def _counted_once(self, replica_fn):
         """A tf.function running `replica_fn` on one batch that every replica gets

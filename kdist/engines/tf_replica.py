@@ -80,6 +80,9 @@ class Primitives(step_context.Primitives):
 
     applies_in_scope = False  # Keras' TF optimizers update the tf.Variables themselves.
 
+    def __init__(self, whole=False):
+        self.whole = whole  # Every replica sees the whole batch (`eval_whole`).
+
     def value_and_grad(self, context, fn, variables, tensors):
         """Differentiates `fn(*tensors)` on a tape. Outside a replica (the building
         run, under the strategy's scope) a distributed variable cannot be
@@ -108,13 +111,22 @@ class Primitives(step_context.Primitives):
             out[i] = g
         return out
 
+    def replicas_sharing(self):
+        context = tf.distribute.get_replica_context()
+        return 1 if self.whole or context is None else context.num_replicas_in_sync
+
+    def sum_over_shares(self, values):
+        context = tf.distribute.get_replica_context()
+        return context.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
+
     def apply(self, context, optimizer, apply, grads, variables):
         with context.optimizer_applying():
             return apply(grads, variables)
 
 
-def run_step(program, variables, batch, training):
-    """One replica's step of `program` on its slice `batch`, in a replica context.
+def run_step(program, variables, batch, training, whole=False):
+    """One replica's step of `program` on its slice `batch` (`whole`: every replica
+    sees the whole batch), in a replica context.
 
     Its seed states are shifted by its replica id (`seed_offsets`), Keras'
     losses are unscaled (`keras_losses_unscaled`), and in training what the
@@ -126,7 +138,7 @@ def run_step(program, variables, batch, training):
     offsets = seed_offsets(variables, context.replica_id_in_sync_group, training)
     mapping = [(v, v.value + o) for v, o in zip(variables, offsets) if o is not None]
     with keras_losses_unscaled():
-        stats, scope = program.run(Primitives(), training, batch, mapping)
+        stats, scope = program.run(Primitives(whole), training, batch, mapping)
     if training:
         assign_updates(context, variables, scope.changed(), offsets)
     first = tf.equal(context.replica_id_in_sync_group, 0)

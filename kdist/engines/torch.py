@@ -189,15 +189,15 @@ class Engine(contract.Engine):
         return self._summed([self._eval_step(_map_arrays(lambda a: a[k], chunk))  # noqa: B023
                              for k in range(num_steps)])
 
-    def _eval_step(self, batch):
+    def _eval_step(self, batch, whole=False):
         with torch.no_grad():
-            stats, _ = self.program.run(Primitives(self), False, batch)
+            stats, _ = self.program.run(Primitives(self, whole), False, batch)
         return {k: v.detach() for k, v in stats.items()}
 
     def eval_whole(self, batch):
         """Evaluates one batch of any size, whole, in every process alike: each
         returns the same statistics, so they are counted once."""
-        stats = self._eval_step(self.distribute(batch))
+        stats = self._eval_step(self.distribute(batch), whole=True)
         return {k: v.cpu().numpy() for k, v in stats.items()}
 
     def _summed(self, per_step):
@@ -258,8 +258,9 @@ class Primitives(step_context.Primitives):
 
     applies_in_scope = False  # Keras' torch optimizers update the tensors in place.
 
-    def __init__(self, engine):
+    def __init__(self, engine, whole=False):
         self.engine = engine
+        self.whole = whole  # Every process sees the whole batch (`eval_whole`).
 
     def value_and_grad(self, context, fn, variables, tensors):
         """Differentiates `fn(*tensors)` with autograd; inside another
@@ -282,6 +283,13 @@ class Primitives(step_context.Primitives):
         for i, g in zip(present, summed):
             out[i] = g / self.engine.num_replicas if self.engine.num_replicas > 1 else g
         return out
+
+    def replicas_sharing(self):
+        return 1 if self.whole else self.engine.num_replicas
+
+    def sum_over_shares(self, values):
+        with torch.no_grad():
+            return self.engine._all_reduce_sum([v.detach() for v in values])
 
     def apply(self, context, optimizer, apply, grads, variables):
         with context.optimizer_applying(), torch.no_grad():

@@ -10,10 +10,11 @@ evaluation, the optimizer's moving averages of the weights if it keeps them
 `kdist.step.program.Program` runs these two functions for such a model as
 it runs a model's own `train_step` and `test_step`.
 
-The loss of a replica is the mean over the batch it sees plus the model's
-losses, as Keras computes it on one device; `kdist.value_and_grad` averages
-the gradients over replicas (`kdist.step.api`), so training equals `fit` on
-the global batch. With your own loss, `fn(model, x, y, training) ->
+The loss of a replica is its share's part of the global batch's loss plus
+the model's losses (Keras' reductions over the global batch:
+`kdist.step.reductions`); `kdist.value_and_grad` averages the gradients over
+replicas (`kdist.step.api`), so training equals `fit` on the global batch.
+With your own loss, `fn(model, x, y, training) ->
 (per-example losses, y_pred)`, the loss is sum(sample weight x loss) / the
 batch's rows + the model's losses.
 """
@@ -23,6 +24,7 @@ import contextlib
 import keras
 import numpy as np
 from keras import ops
+from keras.src.backend import get_keras_mask, set_keras_mask  # A prediction's mask.
 
 from kdist import tree
 from kdist.errors import UsageError
@@ -126,15 +128,20 @@ def _check_sums(model, batch):
     metrics = [m for m in reported_metrics(model)
                if all(getattr(v, "aggregation", "sum") == "sum" for v in m.variables)]
     variables = [v for m in metrics for v in m.variables]
+    for metric in metrics:
+        metric.reset_state()
+    resets = [np.array(v.numpy()) for v in variables]
 
     def change(data):
-        for metric in metrics:
-            metric.reset_state()
-        reset = [np.array(v.numpy(), np.float64) for v in variables]
-        model.compute_metrics(*data)
-        return [np.array(v.numpy(), np.float64) - r for v, r in zip(variables, reset)]
+        # In a scope, as in a step: no variable is assigned (a TensorFlow
+        # strategy's integer sums would be split over its replicas).
+        with keras.StatelessScope([(v, ops.convert_to_tensor(r))
+                                   for v, r in zip(variables, resets)]) as scope:
+            model.compute_metrics(*data)
+            return [np.array(scope.get_current_value(v), np.float64) - r.astype(np.float64)
+                    for v, r in zip(variables, resets)]
 
-    twice = tuple(tree.map_arrays(lambda a: ops.concatenate([a, a]), part) for part in batch)
+    twice = tuple(tree.map_arrays(_twice, part) for part in batch)
     for variable, once, both in zip(variables, change(batch), change(twice)):
         if not np.allclose(2 * once, both, rtol=1e-4, atol=1e-6, equal_nan=True):
             raise UsageError(
@@ -143,3 +150,12 @@ def _check_sums(model, batch):
                 f"{once.ravel()[:3].tolist()} for the batch once; kdist merges metrics "
                 "over steps and replicas by summing their variables' changes, so write "
                 "its update as sums over examples (a maximum cannot be merged)")
+
+
+def _twice(array):
+    """`array` twice over along its rows, with its Keras mask (a masked prediction's)."""
+    both = ops.concatenate([array, array])
+    mask = get_keras_mask(array)
+    if mask is not None:
+        set_keras_mask(both, ops.concatenate([mask, mask]))
+    return both

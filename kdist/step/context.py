@@ -56,6 +56,13 @@ class Primitives(Protocol):
     def mean_over_replicas(self, grads: list, /) -> list:
         """Gradients averaged over every replica of every worker (None stays None)."""
 
+    def replicas_sharing(self) -> int:
+        """How many replicas each hold an equal, disjoint share of the step's batch:
+        1 where this program sees the whole batch (`kdist.step.reductions`)."""
+
+    def sum_over_shares(self, values: list, /) -> list:
+        """`values` (scalars, no gradient) summed over those replicas."""
+
     def apply(self, context: "StepContext", optimizer: Any, apply: Any, grads: list,
               variables: list | None, /) -> Any:
         """Applies `grads` to `variables` (None: all the optimizer's) with `optimizer`,

@@ -35,7 +35,7 @@ from keras import ops
 
 from kdist import tree
 from kdist.errors import UsageError
-from kdist.step import compiled, portable
+from kdist.step import compiled, portable, reductions
 from kdist.step import context as step_context
 from kdist.step import optimizer as step_optimizer
 
@@ -173,7 +173,7 @@ class Program:
         data = (x, y) if sample_weight is None else (x, y, sample_weight)
         resets = [(v, ops.convert_to_tensor(r))
                   for v, r in zip(self.metric_variables, self.reset_values)]
-        with context.active(list(mapping) + resets) as scope:
+        with reductions.over_global_batch(), context.active(list(mapping) + resets) as scope:
             logs = self.steps[phase](data)
         if not isinstance(logs, dict):
             raise UsageError(f"the {phase}_step returns {type(logs).__name__}; return a dict "

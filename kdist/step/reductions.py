@@ -1,0 +1,78 @@
+"""Keras' loss reductions over the global batch where each replica holds a share of it.
+
+Keras reduces a loss over the batch its call sees (`keras.src.losses.loss`):
+"sum" adds the entries' losses; "sum_over_batch_size" (and "mean") divides
+that sum by the number of entries, or, where the predictions carry a mask,
+by the number of valid ones (`apply_mask` weighs each valid entry
+total / valid); "mean_with_sample_weight" divides it by the sum of the
+sample weights. On one device the batch is the global batch.
+
+Where R replicas each hold an equal, disjoint share of the global batch
+(TensorFlow's replicas, torch's processes), kdist averages their losses and
+gradients (`kdist.step.api`). So a replica's loss must be R times its share
+of the global batch's loss: its sum times R ("sum"), its weighted sum over
+the global batch's valid entries or sample weights, which the replicas sum
+(`Primitives.sum_over_shares`: one all-reduce of the counts, which carry no
+gradient). A mean over all entries without a mask needs nothing: every
+share has the same size. Where one program sees the whole batch (JAX, or a
+batch every replica evaluates whole), Keras' own functions run unchanged.
+"""
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from keras import ops
+from keras.src.losses import loss as loss_module  # The reductions replaced here.
+
+from kdist.step import context as step_context
+
+_KERAS: dict[str, Callable[..., Any]] = {
+    "apply_mask": loss_module.apply_mask, "reduce_values": loss_module.reduce_values}
+
+
+@contextlib.contextmanager
+def over_global_batch():
+    """Keras' losses reduce over the global batch while a step runs."""
+    saved = {name: getattr(loss_module, name) for name in _KERAS}
+    loss_module.apply_mask, loss_module.reduce_values = _apply_mask, _reduce_values
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(loss_module, name, function)
+
+
+def _shares():
+    """The primitives of a running step whose batch R > 1 replicas share, else None."""
+    context = step_context.active_or_none()
+    if context is None or context.dry or context.primitives.replicas_sharing() == 1:
+        return None
+    return context.primitives
+
+
+def _apply_mask(sample_weight, mask, dtype, reduction):
+    primitives = _shares()
+    if primitives is None or mask is None or reduction not in ("mean", "sum_over_batch_size"):
+        return _KERAS["apply_mask"](sample_weight, mask, dtype, reduction)
+    # Keras' weights, total / valid for a valid entry, with the global batch's counts.
+    total = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(mask), dtype="int32")), dtype)
+    valid = ops.sum(ops.cast(mask, dtype=dtype))
+    total, valid = primitives.sum_over_shares([total, ops.stop_gradient(valid)])
+    weighted = ops.where(ops.cast(mask, "bool"), ops.divide_no_nan(total, valid), 0)
+    return _KERAS["apply_mask"](sample_weight, ops.cast(weighted, dtype), dtype, "sum")
+
+
+def _reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
+    primitives = _shares()
+    loss = _KERAS["reduce_values"](values, sample_weight, reduction)
+    if primitives is None or reduction in (None, "none") or tuple(values.shape) in ((), (0,)):
+        return loss
+    replicas = primitives.replicas_sharing()
+    if reduction == "sum":
+        return loss * ops.cast(replicas, loss.dtype)
+    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+        local = ops.stop_gradient(ops.cast(ops.sum(sample_weight), loss.dtype))
+        (total,) = primitives.sum_over_shares([local])
+        return ops.divide_no_nan(ops.sum(values), total / ops.cast(replicas, loss.dtype))
+    return loss
