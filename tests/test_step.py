@@ -246,3 +246,57 @@ def test_every_loss_id_keras_records_in_a_step_names_a_loss_the_step_holds():
 
     assert run_two_models(check) == pytest.approx(3 * (1.0 + 2.0))
     assert seen == [[True, True]]
+
+
+class HiddenFirst(keras.Model):
+    """A step that computes its first layer before `kdist.value_and_grad`, and
+    returns a variable it assigns and Python numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = keras.layers.Dense(4), keras.layers.Dense(3)
+        self.steps_seen = keras.Variable(0.0, trainable=False, name="steps_seen")
+        self.opt = keras.optimizers.SGD(0.1)
+
+    def call(self, x):
+        return self.second(self.first(x))
+
+    def train_step(self, data):
+        x, y = data
+        hidden = self.first(x)  # A constant to the differentiated function.
+
+        def loss_fn():
+            return ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, self.second(hidden), from_logits=True))
+
+        loss, grads = kdist.value_and_grad(loss_fn, self.trainable_variables)
+        self.opt.apply(grads, self.trainable_variables)
+        self.steps_seen.assign_add(1.0)
+        return {"loss": loss, "unread": float(sum(g is None for g in grads)),
+                "steps_seen": self.steps_seen, "half": 0.5}
+
+
+def test_a_tensor_computed_before_value_and_grad_and_the_logs_a_step_returns(tmp_path):
+    """On every backend: the first layer, computed outside the differentiated
+    function, gets None (torch recorded its graph and trained it); a returned
+    variable is reported after the step's assignment (it was read before it, or
+    at 0 on JAX); a Python number is a statistic (JAX and torch failed on it)."""
+    x = np.random.default_rng(0).normal(size=(64, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    built = []
+
+    def model_fn():
+        model = HiddenFirst()
+        model(x[:2])
+        built.append([np.array(w) for w in model.first.get_weights()])
+        return model
+
+    config = kdist.TrainConfig(epochs=2, batch_size_per_replica=16, replicas=1,
+                               checkpoint_dir=str(tmp_path), progress=False)
+    result = kdist.train_and_evaluate(config, kdist.Dataset(x, y, x, y, "toy"),
+                                      model_fn=model_fn, log=lambda line: None)
+    assert result.history["unread"] == [2.0, 2.0]
+    assert result.history["steps_seen"] == [2.5, 6.5]  # Steps 1-4, then 5-8.
+    assert result.history["half"] == [0.5, 0.5]
+    for before, after in zip(built[0], result.model.first.get_weights()):
+        np.testing.assert_array_equal(after, before)

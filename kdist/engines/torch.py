@@ -168,7 +168,11 @@ class Engine(contract.Engine):
         return self._summed(per_step)
 
     def _train_step(self, batch):
-        stats, scope = self.program.run(Primitives(self), True, batch)
+        # Only what `kdist.value_and_grad` differentiates records a graph (its
+        # Primitives enable it), as a tape does on TensorFlow: a tensor computed
+        # before it carries no gradient to the variables.
+        with torch.no_grad():
+            stats, scope = self.program.run(Primitives(self), True, batch)
         changed = scope.changed()
         updated = [(v, changed[id(v)]) for v in self.program.variables if id(v) in changed]
         moving = [(v, new) for v, new in updated if _is_float(v)]

@@ -175,10 +175,11 @@ class Program:
                   for v, r in zip(self.metric_variables, self.reset_values)]
         with reductions.over_global_batch(), context.active(list(mapping) + resets) as scope:
             logs = self.steps[phase](data)
-        if not isinstance(logs, dict):
-            raise UsageError(f"the {phase}_step returns {type(logs).__name__}; return a dict "
-                             "of scalars or metric results, as Keras' train_step does")
-        return _flat(logs), scope
+            if not isinstance(logs, dict):
+                raise UsageError(f"the {phase}_step returns {type(logs).__name__}; return a "
+                                 "dict of scalars or metric results, as Keras' train_step does")
+            logs = {name: _value(value) for name, value in _flat(logs).items()}
+        return logs, scope
 
     def _statistics(self, logs, scope, context):
         rows = ops.cast(context.rows, "float32")
@@ -259,6 +260,17 @@ def _flat(logs):
     for name, value in logs.items():
         flat.update(_flat(value) if isinstance(value, dict) else {name: value})
     return flat
+
+
+def _value(logged):
+    """What a step returned, read inside its scope: a variable's value after the
+    step's assignments (not the variable, read later), a Python or NumPy number
+    as a tensor."""
+    if isinstance(logged, keras.Variable):
+        return logged.value
+    if isinstance(logged, (int, float, np.number)):
+        return ops.convert_to_tensor(logged, "float32")
+    return logged
 
 
 def _unique(items):
