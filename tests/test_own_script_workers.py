@@ -11,6 +11,7 @@ examples/cluster/job.yaml (a Kubernetes indexed Job; kdist-launch sets the same)
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def one_process(tmp_path_factory):
     folder = str(tmp_path / "ckpt")
     run_all(tmp_path, [([sys.executable, SCRIPT, *ARGS, "--replicas", "2",
                          "--checkpoint-dir", folder], {})])
-    return final_weights(folder, 3)
+    return final_weights(folder, 3), folder
 
 
 # Every launcher's variables become one `ClusterSpec` (test_cluster.py), and every spec
@@ -117,9 +118,33 @@ def test_your_script_as_two_workers_equals_one_process_with_two_replicas(
     out = run_all(tmp_path, commands(how, folder, two_free_ports()))
     assert "Workers: 2; this chief" in out and "Worker 0 of 2: test accuracy" in out
     assert os.listdir(folder) == ["ckpt-00000003.weights.h5"]  # The chief's alone.
-    difference = max_difference(final_weights(folder, 3), one_process)
+    difference = max_difference(final_weights(folder, 3), one_process[0])
     print(f"\nmax |2 workers ({how}) - 1 process x 2 replicas| = {difference:.3g}")
     assert difference <= 1e-5
+
+
+def test_workers_that_would_resume_from_other_steps_all_stop_with_one_line(
+        tmp_path, one_process):
+    """Checkpoint folders that are not one folder: worker 0 sees the reference run's
+    checkpoint (step 3), worker 1 none. Each would train from its own step (TensorFlow
+    and torch: weights 0.03-0.04 from the straight run; JAX: a hang); both stop before
+    training, with the same line."""
+    folders = [tmp_path / "seen", tmp_path / "empty"]
+    shutil.copytree(one_process[1], folders[0])
+    port = two_free_ports()
+    processes = [subprocess.Popen(
+        [sys.executable, SCRIPT, *ARGS, "--checkpoint-dir", str(folder)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(environment(tmp_path), **kubernetes(index, port)))
+        for index, folder in enumerate(folders)]
+    errors = [p.communicate(timeout=240)[1] for p in processes]
+    assert [p.returncode for p in processes] == [1, 1], errors
+    for error in errors:
+        assert error.strip().splitlines()[-1].startswith(
+            "error: the workers start with different resume steps (worker 0: 3, worker 1: "
+            "none) (each worker resumes from the newest checkpoint it sees: give every "
+            "worker one checkpoint folder, on a file system they share)"), error
+    assert os.listdir(folders[0]) == ["ckpt-00000003.weights.h5"]  # Left as it was.
 
 
 def test_connect_alone_does_nothing_and_says_so():

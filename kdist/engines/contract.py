@@ -149,6 +149,11 @@ class Engine(Protocol):
         """Whether `flag` is true on any worker: a collective every worker calls at
         the same point of the loop; no communication with one worker."""
 
+    def workers_values(self, values: list[int], /) -> list[list[int]]:
+        """Every worker's `values` (integers in [0, 2**24): exact in float32), in
+        worker order: one collective every worker calls at the same point; no
+        communication with one worker."""
+
     def compiled_train_programs(self) -> int:
         """How many train programs have been compiled (traced, on TensorFlow):
         1 for a whole run, whatever its chunks' step counts."""

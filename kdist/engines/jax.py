@@ -223,6 +223,12 @@ class Engine(contract.Engine):
         flags = multihost_utils.process_allgather(np.array([bool(flag)], np.int32))
         return bool(np.any(flags))
 
+    def workers_values(self, values):
+        if self.shard[1] == 1:
+            return [list(values)]
+        rows = multihost_utils.process_allgather(np.array(values, np.int32))
+        return np.asarray(rows).reshape(self.shard[1], len(values)).tolist()
+
     def keras_fit_callbacks(self):
         """Callbacks that keep Keras' fit/evaluate alive on several CPU devices."""
         return [_BlockEachBatch()] if self.num_replicas > 1 else []

@@ -272,6 +272,28 @@ class Engine(contract.Engine):
             lambda ctx: tf.constant(float(bool(flag))))
         return float(self._sum_over_replicas(values)) > 0
 
+    def workers_values(self, values):
+        """Every worker's `values`: each worker's first replica puts them in its
+        row, and the strategy sums the rows over replicas."""
+        index, workers = self.shard
+        if workers == 1:
+            return [list(values)]
+        if self._sum_over_replicas is None:
+            self._sum_over_replicas = _own_function(
+                lambda values: self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, None))
+        local = self.num_replicas // workers
+
+        def row(context):
+            first = context.replica_id_in_sync_group % local == 0
+            rows = np.zeros((workers, len(values)), np.float32)
+            if first:
+                rows[index] = values
+            return tf.constant(rows)
+
+        rows = self._sum_over_replicas(
+            self.strategy.experimental_distribute_values_from_function(row))
+        return np.rint(np.asarray(rows)).astype(np.int64).tolist()
+
     def keras_fit_callbacks(self):
         """Keras' fit needs nothing extra under a TF strategy."""
         return []

@@ -238,6 +238,17 @@ class Engine(contract.Engine):
         dist.all_reduce(value)
         return bool(value.item() > 0)
 
+    def workers_values(self, values):
+        """Every process's `values`: a sum of each one's row, in one all-reduce."""
+        rank, world = self.shard
+        if not self._group:
+            return [list(values)]
+        rows = torch.zeros((world, len(values)), dtype=torch.float64)
+        rows[rank] = torch.tensor(values, dtype=torch.float64)
+        rows = rows.to(self._collective_device())
+        dist.all_reduce(rows)
+        return rows.cpu().round().long().tolist()
+
     def _collective_device(self):
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 

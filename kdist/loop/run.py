@@ -19,7 +19,7 @@ from kdist.checkpoints import background
 from kdist.errors import CheckpointError, TrainingError, UsageError
 from kdist.inputs import pipelines
 from kdist.inputs.batching import worker_rows
-from kdist.loop import building, reporting
+from kdist.loop import agreement, building, reporting
 from kdist.loop.chunks import evaluate_source, run_steps, totals_from_json, zero_totals
 from kdist.runtime import memory
 from kdist.step import draws
@@ -54,16 +54,19 @@ class Run:
             self.manager if self.engine.is_chief else checkpoints.DiscardingManager())
         try:
             keras.utils.set_random_seed(config.seed)
+            sample = building.sample_rows(dataset)
             self.model, self.step = building.prepare_model(
-                self.engine, self.global_batch, building.sample_rows(dataset), model_fn,
+                self.engine, self.global_batch, sample, model_fn,
                 optimizer_fn, config.learning_rate, loss_fn, compute_loss,
                 precision=config.precision)
             # Whether the optimizer may skip steps: the epoch lines then count them.
             self.dynamic_loss_scale = any(isinstance(o, keras.optimizers.LossScaleOptimizer)
                                           for o in self.step.optimizers)
             building.check_labels(dataset, self.model)
+            latest = self.manager.latest() if config.resume else None
+            self._check_workers_agree(sample, latest)
             self.position, self.note, steps = resume_position(
-                config, self.manager, self.model, self.step, self.order,
+                config, self.manager, latest, self.model, self.step, self.order,
                 own_shares=getattr(dataset.train, "own_shares", False))
             self.steps = self.steps if self.steps is not None else steps
             self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
@@ -74,6 +77,22 @@ class Run:
         except BaseException:
             self.manager.release()
             raise
+
+    def _check_workers_agree(self, sample, latest):
+        """The workers count in the same batches, epochs, data and checkpoint, or
+        all stop here (`kdist.loop.agreement`). Where each reads its own share,
+        its sizes and first rows are its own."""
+        config, dataset = self.config, self.dataset
+        facts = {"global batch sizes": self.global_batch, "epochs": config.epochs,
+                 "seeds": config.seed,
+                 "resume steps": None if latest is None else records.Position.from_metadata(
+                     latest[1]).global_step(latest[1].get("steps_per_epoch") or 0)}
+        if not getattr(dataset.train, "own_shares", False):
+            facts.update({"steps per epoch": self.steps,
+                          "numbers of training examples": dataset.size("train"),
+                          "numbers of test examples": dataset.size("test"),
+                          "data (checksums of the first rows)": agreement.fingerprint(sample)})
+        agreement.check_workers_agree(self.engine, facts)
 
     def train_epoch(self, position, stop, calls, log):
         """Trains from `position` to the end of its epoch, then evaluates.
@@ -198,12 +217,13 @@ class Run:
         return due
 
 
-def resume_position(config, manager, model, step, order, own_shares=False):
+def resume_position(config, manager, latest, model, step, order, own_shares=False):
     """Restores the newest checkpoint unless told not to.
 
     Returns (the `Position` to start from, a note for the banner, the steps
     per epoch the checkpoint records, if any, and if it was written with
-    this run's global batch). `order`: this run's `Run.order`; `own_shares`:
+    this run's global batch). `latest`: the manager's newest checkpoint, read
+    if `config.resume`; `order`: this run's `Run.order`; `own_shares`:
     whether each worker reads its own share of the training data. A
     checkpoint in the middle of an epoch resumes only where it counts the
     same examples (`_check_mid_epoch`).
@@ -211,7 +231,6 @@ def resume_position(config, manager, model, step, order, own_shares=False):
     if not config.resume and manager.paths():
         return records.Position(), ("starting over (--no-resume): this run's first "
                                     "checkpoint replaces the ones there"), None
-    latest = manager.latest() if config.resume else None
     if latest is None:
         return records.Position(), "starting fresh", None
     path, meta = latest
