@@ -167,8 +167,12 @@ def test_a_kdist_error_in_your_script_is_one_line(tmp_path):
 
 
 @pytest.mark.skipif(BACKEND == "torch", reason="torch's process group may start at any time")
-def test_connect_after_the_framework_ran_is_one_clear_error():
-    # This process ran TensorFlow or JAX already (conftest.py): too late to join.
+@pytest.mark.parametrize("processes_here", ["1", "2"])
+def test_connect_after_the_framework_ran_is_one_clear_error(monkeypatch, processes_here):
+    # This process ran TensorFlow or JAX already (conftest.py): too late to join. With
+    # 2 processes on the machine (kdist-launch's), TensorFlow would size its thread
+    # pools first, and said so in a traceback.
+    monkeypatch.setenv("KDIST_LOCAL_PROCESSES", processes_here)
     with pytest.raises(kdist.UsageError, match="call kdist.connect\\(\\) first thing"):
         kdist.connect(peers=",".join(f"127.0.0.1:{p}" for p in free_ports(2)),
                       worker_index=0, timeout=30)

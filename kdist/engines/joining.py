@@ -51,6 +51,14 @@ def connect(*, peers: str | None = None, workers: int | None = None,
     return spec
 
 
+# What the frameworks raise where a process joins after it ran: TensorFlow's strategy
+# ("Collective ops must be configured at program startup") and thread pools (sized
+# for the processes sharing a machine), JAX's "jax.distributed.initialize() must be
+# called before any JAX calls ...".
+_TOO_LATE_ERRORS = ("at program startup", "cannot be modified after initialization",
+                    "before any JAX")
+
+
 def join(spec: cluster.ClusterSpec, replicas: int | None = None) -> None:
     """Joins the workers of `spec`, bounded by its timeout; nothing alone or joined."""
     if spec.num_workers == 1 or engines.connected():
@@ -58,9 +66,8 @@ def join(spec: cluster.ClusterSpec, replicas: int | None = None) -> None:
     with cluster.connect_deadline(spec):
         try:
             engines.connect(spec, replicas)
-        except RuntimeError as error:  # TF: "Collective ops must be configured at program
-            # startup"; JAX: "jax.distributed.initialize() must be called before any JAX calls ...".
-            if "at program startup" in str(error) or "before any JAX" in str(error):
+        except RuntimeError as error:
+            if any(late in str(error) for late in _TOO_LATE_ERRORS):
                 raise UsageError(_TOO_LATE.format(framework=keras.backend.backend(),
                                                   error=error)) from None
             raise
