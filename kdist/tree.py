@@ -1,6 +1,7 @@
 """Nested structures of arrays: a batch's x, y or sample weights as one array or
 a tuple, list or dict of them."""
 
+import zlib
 from typing import TypeAlias
 
 import numpy as np
@@ -35,3 +36,14 @@ def num_examples(structure):
 def take_rows(batch, rows):
     """The `rows` (an index array or a slice) of every array of `batch`."""
     return tuple(map_arrays(lambda a: a[rows], part) for part in batch)
+
+
+CHECKSUM_LIMIT = 2 ** 24  # Checksums are exact in float32, as collectives carry them.
+
+
+def checksum(arrays):
+    """A number in [0, CHECKSUM_LIMIT) for NumPy arrays: equal arrays, equal numbers."""
+    digest = 0
+    for array in arrays:
+        digest = zlib.crc32(np.ascontiguousarray(array).tobytes(), digest)
+    return digest % CHECKSUM_LIMIT

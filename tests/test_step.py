@@ -2,6 +2,8 @@
 `kdist.step.compiled`), eagerly on one device: the loss, the model's losses, metrics;
 and each model's losses in a step that calls two."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -300,3 +302,50 @@ def test_a_tensor_computed_before_value_and_grad_and_the_logs_a_step_returns(tmp
     assert result.history["half"] == [0.5, 0.5]
     for before, after in zip(built[0], result.model.first.get_weights()):
         np.testing.assert_array_equal(after, before)
+
+
+class OwnLossScaled(keras.Model):
+    """A step that scales the averaged gradients by its replica's own loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+        self.opt = keras.optimizers.SGD(0.1)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+
+        def loss_fn():
+            return ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, self.dense(x), from_logits=True))
+
+        loss, grads = kdist.value_and_grad(loss_fn, self.trainable_variables)
+        self.opt.apply([g * loss for g in grads], self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_replicas_made_to_differ_by_a_step_stop_the_run_at_the_epochs_end(tmp_path):
+    """On TensorFlow and torch each replica's loss is its share's, so the replicas
+    applied other updates and trained other models, silently; the run stops
+    before the epoch's checkpoint. On JAX one program sees the global batch's loss."""
+    x = np.random.default_rng(0).normal(size=(64, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    config = kdist.TrainConfig(epochs=2, batch_size_per_replica=8, replicas=2,
+                               checkpoint_dir=str(tmp_path), progress=False)
+
+    def model_fn():
+        model = OwnLossScaled()
+        model(x[:2])  # Built: the step differentiates its variables.
+        return model
+
+    run = lambda: kdist.train_and_evaluate(  # noqa: E731
+        config, kdist.Dataset(x, y, x, y, "toy"), model_fn=model_fn, log=lambda line: None)
+    if keras.backend.backend() == "jax":
+        assert len(run().history["loss"]) == 2
+        return
+    with pytest.raises(kdist.TrainingError, match="the replicas' weights differ after epoch 1"):
+        run()
+    assert os.listdir(tmp_path) == []  # No checkpoint of either replica's model.

@@ -149,6 +149,11 @@ class Engine(Protocol):
         """Whether `flag` is true on any worker: a collective every worker calls at
         the same point of the loop; no communication with one worker."""
 
+    def replica_checksums(self) -> list[int]:
+        """A checksum of the program's variables on each replica this process holds
+        (`kdist.tree.checksum`): the replicas apply the same averaged
+        gradients, so every checksum is the same unless a step made them differ."""
+
     def workers_values(self, values: list[int], /) -> list[list[int]]:
         """Every worker's `values` (integers in [0, 2**24): exact in float32), in
         worker order: one collective every worker calls at the same point; no

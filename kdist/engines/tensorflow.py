@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
+from kdist import tree
 from kdist.engines import contract, tf_optimizer, tf_replica
 from kdist.errors import UsageError
 from kdist.runtime.startup import split_tensorflow_cpu
@@ -271,6 +272,12 @@ class Engine(contract.Engine):
         values = self.strategy.experimental_distribute_values_from_function(
             lambda ctx: tf.constant(float(bool(flag))))
         return float(self._sum_over_replicas(values)) > 0
+
+    def replica_checksums(self):
+        """One per replica: each variable's component on that replica's device."""
+        parts = [getattr(v.value, "values", (v.value,)) for v in self.program.variables]
+        return [tree.checksum([part[i].numpy() for part in parts])
+                for i in range(len(parts[0]) if parts else 1)]
 
     def workers_values(self, values):
         """Every worker's `values`: each worker's first replica puts them in its

@@ -16,6 +16,7 @@ import keras
 import torch
 import torch.distributed as dist
 
+from kdist import tree
 from kdist.engines import contract
 from kdist.errors import ReplicaPerProcess, UsageError
 from kdist.step import context as step_context
@@ -237,6 +238,11 @@ class Engine(contract.Engine):
         value = torch.tensor([float(bool(flag))], device=self._collective_device())
         dist.all_reduce(value)
         return bool(value.item() > 0)
+
+    def replica_checksums(self):
+        """This process's replica."""
+        return [tree.checksum([keras.ops.convert_to_numpy(v.value)
+                               for v in self.program.variables])]
 
     def workers_values(self, values):
         """Every process's `values`: a sum of each one's row, in one all-reduce."""

@@ -1,21 +1,19 @@
-"""The workers of a run start alike, or none of them trains.
+"""The workers of a run start alike, and its replicas stay alike, or none trains on.
 
 Each worker runs its own copy of the script; kdist broadcasts the chief's
 weights, but nothing else of one worker's reaches the others. Workers given
 other flags or data, or checkpoint folders that are not one folder, would
 train on (some hang in a collective, some train from other steps, some end
 first). So before the first step every worker sends what its run counts
-in, and every worker raises the same `UsageError` where they differ.
+in, and every worker raises the same `UsageError` where they differ. After
+each epoch the replicas compare checksums of their variables
+(`check_replicas_equal`).
 """
 
-import zlib
-
-import numpy as np
-
 from kdist import tree
-from kdist.errors import UsageError
+from kdist.errors import TrainingError, UsageError
 
-_LIMIT = 2 ** 24  # What `Engine.workers_values` carries exactly.
+_LIMIT = tree.CHECKSUM_LIMIT  # What `Engine.workers_values` carries exactly.
 
 
 def check_workers_agree(engine, facts):
@@ -37,12 +35,23 @@ def check_workers_agree(engine, facts):
                              "start every worker with the same script, flags and data")
 
 
+def check_replicas_equal(engine, epoch):
+    """Raises the same TrainingError on every worker where the replicas' variables
+    differ after `epoch` (1-based): a step changed the averaged gradients with what
+    differs between replicas, and each replica trained its own model."""
+    rows = engine.workers_values(engine.replica_checksums())
+    if len({value for row in rows for value in row}) > 1:
+        raise TrainingError(
+            f"the replicas' weights differ after epoch {epoch}: the step changes the "
+            "averaged gradients with what differs between replicas (a replica's own "
+            "loss value, data or keras.random draws), so each replica trained another "
+            "model; change them only with what every replica shares (the gradients, "
+            "kdist.random, the optimizer's step); this epoch's checkpoint is not written")
+
+
 def fingerprint(batch):
     """A number for some rows of data (`tree` arrays): equal rows, equal numbers."""
-    digest = 0
-    for array in tree.leaves(batch):
-        digest = zlib.crc32(np.ascontiguousarray(array).tobytes(), digest)
-    return digest % _LIMIT
+    return tree.checksum(tree.leaves(batch))
 
 
 def _encode(value):

@@ -140,6 +140,8 @@ class Run:
                                        totals=totals), None
         if self.steps is None:  # Its length is known now.
             self.steps = first_step + done
+        if self.engine.num_replicas > 1:
+            agreement.check_replicas_equal(self.engine, epoch + 1)
         if hint := self.faults.hint():
             log(hint)
         seconds = time.perf_counter() - start if done else None  # None: all trained before.
