@@ -138,8 +138,8 @@ def _check_sums(model, batch):
         with keras.StatelessScope([(v, ops.convert_to_tensor(r))
                                    for v, r in zip(variables, resets)]) as scope:
             model.compute_metrics(*data)
-            return [np.array(scope.get_current_value(v), np.float64) - r.astype(np.float64)
-                    for v, r in zip(variables, resets)]
+            return [ops.convert_to_numpy(scope.get_current_value(v)).astype(np.float64)
+                    - r.astype(np.float64) for v, r in zip(variables, resets)]
 
     twice = tuple(tree.map_arrays(_twice, part) for part in batch)
     for variable, once, both in zip(variables, change(batch), change(twice)):
