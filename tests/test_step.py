@@ -349,3 +349,11 @@ def test_replicas_made_to_differ_by_a_step_stop_the_run_at_the_epochs_end(tmp_pa
     with pytest.raises(kdist.TrainingError, match="the replicas' weights differ after epoch 1"):
         run()
     assert os.listdir(tmp_path) == []  # No checkpoint of either replica's model.
+
+
+def test_a_compiled_loss_that_is_not_one_number_is_one_clear_error():
+    model, x, labels = one_hot_model()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="none"))
+    with pytest.raises(kdist.UsageError, match=r"compiled loss has shape \(3,\), not one number"):
+        evaluate(model, (x, labels, None))

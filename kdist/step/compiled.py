@@ -63,8 +63,14 @@ def _loss(model, x, y, weight, training, compute_loss):
     """(the batch's loss, float32, with the model's losses; y_pred)."""
     if compute_loss is None:
         y_pred = model(x, training=training)
-        return ops.cast(model.compute_loss(x, y, y_pred, weight, training=training),
-                        "float32"), y_pred
+        loss = model.compute_loss(x, y, y_pred, weight, training=training)
+        if len(ops.shape(loss)) != 0:
+            raise UsageError(
+                f"the model's compiled loss has shape {tuple(ops.shape(loss))}, not one "
+                "number: give its losses a reduction other than 'none' (Keras' default is "
+                "'sum_over_batch_size'), or pass compute_loss=fn returning per-example "
+                "losses")
+        return ops.cast(loss, "float32"), y_pred
     per_example, y_pred = compute_loss(model, x, y, training)
     per_example = ops.cast(per_example, "float32")
     rows = ops.cast(ops.shape(data_leaves(x)[0])[0], "float32")
