@@ -10,10 +10,27 @@ each epoch the replicas compare checksums of their variables
 (`check_replicas_equal`).
 """
 
-from kdist import tree
+from kdist import records, tree
 from kdist.errors import TrainingError, UsageError
 
 _LIMIT = tree.CHECKSUM_LIMIT  # What `Engine.workers_values` carries exactly.
+
+
+def check_start(run, sample, latest):
+    """The workers of `run` (a `kdist.loop.run.Run`) count in the same batches,
+    epochs, data and checkpoint (`latest`: the newest one each sees), or all stop
+    here. Where each reads its own share, its sizes and first rows are its own."""
+    config, dataset = run.config, run.dataset
+    facts = {"global batch sizes": run.global_batch, "epochs": config.epochs,
+             "seeds": config.seed,
+             "resume steps": None if latest is None else records.Position.from_metadata(
+                 latest[1]).global_step(latest[1].get("steps_per_epoch") or 0)}
+    if not getattr(dataset.train, "own_shares", False):
+        facts.update({"steps per epoch": run.steps,
+                      "numbers of training examples": dataset.size("train"),
+                      "numbers of test examples": dataset.size("test"),
+                      "data (checksums of the first rows)": fingerprint(sample)})
+    check_workers_agree(run.engine, facts)
 
 
 def check_workers_agree(engine, facts):

@@ -64,7 +64,7 @@ class Run:
                                           for o in self.step.optimizers)
             building.check_labels(dataset, self.model)
             latest = self.manager.latest() if config.resume else None
-            self._check_workers_agree(sample, latest)
+            agreement.check_start(self, sample, latest)
             self.position, self.note, steps = resume_position(
                 config, self.manager, latest, self.model, self.step, self.order,
                 own_shares=getattr(dataset.train, "own_shares", False))
@@ -77,22 +77,6 @@ class Run:
         except BaseException:
             self.manager.release()
             raise
-
-    def _check_workers_agree(self, sample, latest):
-        """The workers count in the same batches, epochs, data and checkpoint, or
-        all stop here (`kdist.loop.agreement`). Where each reads its own share,
-        its sizes and first rows are its own."""
-        config, dataset = self.config, self.dataset
-        facts = {"global batch sizes": self.global_batch, "epochs": config.epochs,
-                 "seeds": config.seed,
-                 "resume steps": None if latest is None else records.Position.from_metadata(
-                     latest[1]).global_step(latest[1].get("steps_per_epoch") or 0)}
-        if not getattr(dataset.train, "own_shares", False):
-            facts.update({"steps per epoch": self.steps,
-                          "numbers of training examples": dataset.size("train"),
-                          "numbers of test examples": dataset.size("test"),
-                          "data (checksums of the first rows)": agreement.fingerprint(sample)})
-        agreement.check_workers_agree(self.engine, facts)
 
     def train_epoch(self, position, stop, calls, log):
         """Trains from `position` to the end of its epoch, then evaluates.
