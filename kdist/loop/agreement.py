@@ -10,7 +10,10 @@ each epoch the replicas compare checksums of their variables
 (`check_replicas_equal`).
 """
 
-from kdist import records, tree
+import os
+import re
+
+from kdist import tree
 from kdist.errors import TrainingError, UsageError
 
 _LIMIT = tree.CHECKSUM_LIMIT  # What `Engine.workers_values` carries exactly.
@@ -20,11 +23,15 @@ def check_start(run, sample, latest):
     """The workers of `run` (a `kdist.loop.run.Run`) count in the same batches,
     epochs, data and checkpoint (`latest`: the newest one each sees), or all stop
     here. Where each reads its own share, its sizes and first rows are its own."""
+    if run.engine.shard[1] == 1:
+        return
     config, dataset = run.config, run.dataset
     facts = {"global batch sizes": run.global_batch, "epochs": config.epochs,
              "seeds": config.seed,
-             "resume steps": None if latest is None else records.Position.from_metadata(
-                 latest[1]).global_step(latest[1].get("steps_per_epoch") or 0)}
+             # The step in the checkpoint's name (`ckpt-00000024.weights.h5`): its
+             # metadata is checked only as it is restored, after this.
+             "resume steps": None if latest is None else int(
+                 re.findall(r"\d+", os.path.basename(latest[0]))[0])}
     if not getattr(dataset.train, "own_shares", False):
         facts.update({"steps per epoch": run.steps,
                       "numbers of training examples": dataset.size("train"),
