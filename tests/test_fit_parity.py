@@ -213,21 +213,30 @@ def two_in_two_out_data(n, seed):
     return x, y, weights
 
 
+def step_and_evaluation_as_in_fit(model_fn, batch, test, replicas):
+    """One kdist step on `batch` (x, y, sample weights) from `fit`'s start, its
+    weights asserted equal to `fit`'s after the same step (1e-6); then both
+    evaluations of `test`, with the same names. Returns (kdist's, `evaluate`'s)
+    results and the reference model."""
+    start = initial_weights(model_fn)
+    engine, model, step = on_kdist(model_fn, replicas, batch, start)
+    reference = on_keras(model_fn, start)
+    reference.fit(batch[0], batch[1], sample_weight=batch[2], batch_size=BATCH, epochs=1,
+                  shuffle=False, verbose=0)
+    assert_close(model.get_weights(), reference.get_weights(), 1e-6)
+    results = chunks.evaluate(engine, step, *test, BATCH)
+    expected = reference.evaluate(*test[:2], sample_weight=test[2], batch_size=BATCH,
+                                  verbose=0, return_dict=True)
+    assert set(results) == set(expected)  # Per-output losses and metrics by Keras' names.
+    return results, expected, reference
+
+
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_dict_inputs_and_outputs_with_sample_weights_train_and_evaluate_as_in_fit(replicas):
-    x, y, weights = two_in_two_out_data(BATCH, seed=3)
-    start = initial_weights(two_in_two_out)
-    engine, model, step = on_kdist(two_in_two_out, replicas, (x, y, weights), start)
-    reference = on_keras(two_in_two_out, start)
-    reference.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, shuffle=False,
-                  verbose=0)
-    assert_close(model.get_weights(), reference.get_weights(), 1e-6)
-
     test_x, test_y, test_weights = two_in_two_out_data(1001, seed=4)
-    results = chunks.evaluate(engine, step, test_x, test_y, test_weights, BATCH)
-    expected = reference.evaluate(test_x, test_y, sample_weight=test_weights,
-                                  batch_size=BATCH, verbose=0, return_dict=True)
-    assert set(results) == set(expected)  # Per-output losses and metrics by Keras' names.
+    results, expected, reference = step_and_evaluation_as_in_fit(
+        two_in_two_out, two_in_two_out_data(BATCH, seed=3), (test_x, test_y, test_weights),
+        replicas)
     # Keras' per-output loss trackers weight each batch by its static row count,
     # which TensorFlow's evaluate does not know for the shorter last batch: it
     # then averages batch means (label_loss 1.36338 for 1.35594). kdist's equal
@@ -414,19 +423,8 @@ def counted_data(n, seed):
 def test_losses_divided_by_a_count_of_the_batch_use_the_global_batchs(replicas):
     """A masked loss, a sum and a mean over sample weights: each replica's share
     holds other counts than the global batch, and one step equals `fit`'s on it."""
-    x, y, weights = counted_data(BATCH, seed=6)
-    start = initial_weights(counted_losses)
-    engine, model, step = on_kdist(counted_losses, replicas, (x, y, weights), start)
-    reference = on_keras(counted_losses, start)
-    reference.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, shuffle=False,
-                  verbose=0)
-    assert_close(model.get_weights(), reference.get_weights(), 1e-6)
-
-    test_x, test_y, test_weights = counted_data(1001, seed=7)
-    results = chunks.evaluate(engine, step, test_x, test_y, test_weights, BATCH)
-    expected = reference.evaluate(test_x, test_y, sample_weight=test_weights,
-                                  batch_size=BATCH, verbose=0, return_dict=True)
-    assert set(results) == set(expected)
+    results, expected, _ = step_and_evaluation_as_in_fit(
+        counted_losses, counted_data(BATCH, seed=6), counted_data(1001, seed=7), replicas)
     for name, value in expected.items():
         if name.endswith("_loss") and keras.backend.backend() == "tensorflow":
             continue  # TensorFlow's evaluate: its per-output losses of the last batch (above).

@@ -37,14 +37,12 @@ def check_start(run, sample, latest):
                       "numbers of training examples": dataset.size("train"),
                       "numbers of test examples": dataset.size("test"),
                       "data (checksums of the first rows)": fingerprint(sample)})
-    check_workers_agree(run.engine, facts)
+    _agree(run.engine, facts)
 
 
-def check_workers_agree(engine, facts):
+def _agree(engine, facts):
     """Raises the same UsageError on every worker where their `facts`, {name:
-    int or None}, differ (no communication with one worker)."""
-    if engine.shard[1] == 1:
-        return
+    int or None}, differ."""
     names = list(facts)
     encoded = [_encode(facts[name]) for name in names]
     rows = engine.workers_values(encoded)

@@ -65,14 +65,14 @@ def _apply_mask(sample_weight, mask, dtype, reduction):
 
 def _reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
     primitives = _shares()
-    loss = _KERAS["reduce_values"](values, sample_weight, reduction)
-    if primitives is None or reduction in (None, "none") or tuple(values.shape) in ((), (0,)):
-        return loss
-    replicas = primitives.replicas_sharing()
-    if reduction == "sum":
-        return loss * ops.cast(replicas, loss.dtype)
-    if reduction == "mean_with_sample_weight" and sample_weight is not None:
+    if primitives is not None and reduction == "mean_with_sample_weight" and (
+            sample_weight is not None and tuple(values.shape) not in ((), (0,))):
+        loss = ops.sum(values)
         local = ops.stop_gradient(ops.cast(ops.sum(sample_weight), loss.dtype))
         (total,) = primitives.sum_over_shares([local])
-        return ops.divide_no_nan(ops.sum(values), total / ops.cast(replicas, loss.dtype))
+        replicas = ops.cast(primitives.replicas_sharing(), loss.dtype)
+        return ops.divide_no_nan(loss, total / replicas)
+    loss = _KERAS["reduce_values"](values, sample_weight, reduction)
+    if primitives is not None and reduction == "sum" and tuple(values.shape) not in ((), (0,)):
+        return loss * ops.cast(primitives.replicas_sharing(), loss.dtype)
     return loss
