@@ -105,6 +105,8 @@ class StepScope(keras.StatelessScope):
                 f"the step assigns {variable.path!r} itself; in a kdist step only an "
                 "optimizer changes weights and optimizer state: pass gradients to "
                 "optimizer.apply(grads, variables)")
+        if self.context.dry:
+            self.context.assigned[id(variable)] = variable
         super().add_update(update)
 
     def changed(self):
@@ -121,7 +123,8 @@ class StepContext:
         guarded: ids of the variables only optimizers may assign.
         draws: the arrays `kdist.random` hands out, in call order (`kdist.step.draws`).
         dry: the building run (`kdist.step.program.Program.build`): no
-            collectives, optimizers only build, draws are recorded.
+            collectives, optimizers only build; the draws, the variables the
+            step assigns and those it applies optimizers to are recorded.
         layers: every layer the step may call, whose records of loss ids
             are emptied when the context opens.
     """
@@ -139,6 +142,9 @@ class StepContext:
         self.depth = 0  # `value_and_grad` calls in progress.
         self.applying = False  # Inside an optimizer's `apply`.
         self.rows: int | None = None  # The rows of the batch the step sees.
+        # When dry, {id: variable} the step assigns, and those it applies optimizers to.
+        self.assigned: dict[int, Any] = {}
+        self.applied_to: dict[int, Any] = {}
 
     @contextlib.contextmanager
     def active(self, mapping=()):

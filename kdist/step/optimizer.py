@@ -2,8 +2,11 @@
 through kdist's step, the one inside a loss-scaling wrapper, whether a step is
 skipped, and the variables of its EMA."""
 
+import contextlib
+
 import keras
 from keras import ops
+from keras.src.optimizers.base_optimizer import BaseOptimizer  # Defines every `apply`.
 
 from kdist.errors import UsageError
 from kdist.step import context as step_context
@@ -105,14 +108,38 @@ def _optimizers_in(value):
 def _refuse_apply(optimizer, where):
     def apply(original, grads, trainable_variables=None):
         if step_context.active_or_none() is not None:
-            raise UsageError(
-                f"the step applies the optimizer {where} ({type(optimizer).__name__}), held "
-                "by a sub-model: kdist finds a step's optimizers among the model's own "
-                "attributes (an attribute each, or in a list or dict attribute); hold it "
-                "on the model")
+            raise UsageError(_not_held(optimizer, f"held by a sub-model ({where})"))
         return original(grads, trainable_variables)
 
     _replace_apply(optimizer, apply)
+
+
+def _not_held(optimizer, where):
+    return (f"the step applies an optimizer ({type(optimizer).__name__}) {where}: kdist "
+            "finds a step's optimizers among the model's own attributes (an attribute "
+            "each, or in a list or dict attribute), and applies and checkpoints those "
+            "only; hold it on the model")
+
+
+@contextlib.contextmanager
+def refusing_unknown():
+    """Makes an optimizer that kdist neither routes nor refuses (one the model does
+    not hold: a module's global, a closure's) raise `UsageError` when a step
+    applies it, while this is open (the building run). Keras' own calls from
+    within a routed `apply` (a `LossScaleOptimizer`'s inner optimizer) pass."""
+    keras_apply = BaseOptimizer.apply
+
+    def apply(optimizer, grads, trainable_variables=None):
+        context = step_context.active_or_none()
+        if context is not None and not context.applying:
+            raise UsageError(_not_held(optimizer, "that the model does not hold"))
+        return keras_apply(optimizer, grads, trainable_variables)
+
+    setattr(BaseOptimizer, "apply", apply)  # noqa: B010 (a method, for mypy)
+    try:
+        yield
+    finally:
+        setattr(BaseOptimizer, "apply", keras_apply)  # noqa: B010
 
 
 def _replace_apply(optimizer, apply):
@@ -143,6 +170,11 @@ def route_apply(optimizer):
             pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
             grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]
         if context.dry:
+            if trainable_variables is None and not optimizer.built:
+                raise UsageError(
+                    f"the step applies {type(optimizer).__name__} without variables before "
+                    "it is built; pass them: optimizer.apply(grads, variables)")
+            context.applied_to.update({id(v): v for v in trainable_variables or ()})
             if not optimizer.built:
                 with context.optimizer_applying(leave_scope=True):
                     optimizer.build(trainable_variables)

@@ -104,6 +104,24 @@ class Program:
         self.guarded = frozenset(id(v) for v in model.trainable_variables) | frozenset(
             id(v) for o in self.optimizers for v in o.variables)
 
+    def _refuse_outside(self, phase, context):
+        """A `UsageError` where the building run of `phase` assigned, or applied an
+        optimizer to, a variable that is not among the program's: kdist keeps
+        (over steps, in checkpoints, in the model it returns) only these, and
+        on JAX an assignment to another would be dropped at each step."""
+        tracker = getattr(self.model, "_loss_tracker", None)  # `fit`'s; kdist reports the loss.
+        known = {id(v) for v in self.variables + self.metric_variables + list(
+            getattr(tracker, "variables", ()))}
+        for doing, found in (("assigns", context.assigned),
+                             ("applies an optimizer to", context.applied_to)):
+            outside = [v for key, v in found.items() if key not in known]
+            if outside:
+                raise UsageError(
+                    f"the {phase}_step {doing} {outside[0].path!r}, a variable the model "
+                    "does not hold: kdist keeps, averages and checkpoints the variables of "
+                    "the model, its layers and sub-models, its optimizers and metrics (as "
+                    "its attributes) only; make whatever holds it an attribute of the model")
+
     @property
     def evaluates(self):
         """Whether the program has a test step."""
@@ -118,15 +136,16 @@ class Program:
         by_name = self._metric_names()
         own = defines(self.model, "train_step")
         scalars: dict[str, None] = {}
+        contexts = {}
         for phase in PHASES:
             if self.steps[phase] is None or (phase == "train" and not (self.trains or own)):
                 continue  # (A model's own train step builds its optimizers, even to evaluate.)
-            context = step_context.StepContext(engine.primitives(), self.guarded, dry=True,
-                                               layers=self.layers)
+            context = contexts[phase] = step_context.StepContext(
+                engine.primitives(), self.guarded, dry=True, layers=self.layers)
             with engine.scope():
                 tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
                 watch: Any = portable.watching() if own else contextlib.nullcontext([])
-                with watch as calls:
+                with watch as calls, step_optimizer.refusing_unknown():
                     logs, _ = self._call(context, phase, tensors + ((),))
             if calls:
                 function, path, line = calls[0]
@@ -150,6 +169,8 @@ class Program:
         # Keras may save its weights.
         self.model.built = True
         self._take_variables()
+        for phase, context in contexts.items():
+            self._refuse_outside(phase, context)
         self.keys = ("count", "skipped") + tuple(f"{k}_sum" for k in self.scalar_keys) + tuple(
             metric_key(i) for i in range(len(self.metric_variables)))
 
