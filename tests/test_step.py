@@ -324,6 +324,38 @@ def test_a_tensor_computed_before_value_and_grad_and_the_logs_a_step_returns(tmp
         np.testing.assert_array_equal(after, before)
 
 
+class FrozenGradient(keras.Model):
+    """A step that reports the gradient of a frozen layer's kernel (units 1, no
+    bias, under a mean of its outputs: the mean of the batch's rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.frozen = keras.layers.Dense(1, use_bias=False, trainable=False)
+
+    def call(self, x):
+        return self.frozen(x)
+
+    def train_step(self, data):
+        x, _ = data
+        grad = kdist.grad(lambda: ops.mean(self.frozen(x)), self.frozen.kernel)
+        return {"grad_sum": ops.sum(grad)}
+
+
+def test_a_gradient_with_respect_to_a_frozen_layer(tmp_path):
+    """Every backend gives it (torch refused: the parameter did not require one),
+    and the frozen weights stay as they were."""
+    x = np.random.default_rng(1).normal(size=(64, 5)).astype(np.float32)
+    model = FrozenGradient()
+    model(x[:2])
+    before = np.array(model.frozen.kernel.numpy())
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=1,
+                               checkpoint_dir=str(tmp_path), progress=False)
+    result = kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, 0], x, x[:, 0], "toy"),
+                                      model_fn=lambda: model, log=lambda line: None)
+    np.testing.assert_allclose(result.history["grad_sum"], [x.mean(axis=0).sum()], rtol=1e-5)
+    np.testing.assert_array_equal(result.model.frozen.kernel.numpy(), before)
+
+
 class OwnLossScaled(keras.Model):
     """A step that scales the averaged gradients by its replica's own loss."""
 

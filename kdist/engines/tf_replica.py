@@ -93,8 +93,9 @@ class Primitives(step_context.Primitives):
                    for v in variables]
         with (substituted(list(zip(variables, sources))) if cross_replica
               else contextlib.nullcontext()), tf.GradientTape() as tape:
-            for watched in list(tensors) + [s for s in sources if not isinstance(s, tf.Variable)]:
-                tape.watch(watched)
+            for watched in list(tensors) + sources:  # Non-trainable variables too.
+                if watched.dtype.is_floating:
+                    tape.watch(watched)
             value = fn(*tensors)
             loss = loss_of(value)
         grads = tape.gradient(loss, sources + list(tensors))

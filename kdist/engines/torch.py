@@ -286,14 +286,24 @@ class Primitives(step_context.Primitives):
     def value_and_grad(self, context, fn, variables, tensors):
         """Differentiates `fn(*tensors)` with autograd; inside another
         `value_and_grad`'s loss, keeps the graph so that loss can be
-        differentiated through this gradient (a gradient penalty)."""
+        differentiated through this gradient (a gradient penalty). A
+        non-trainable variable's parameter records its graph while `fn` runs,
+        as TensorFlow's and JAX's gradients reach such variables too."""
         scope = current_scope()
         sources = [scope.get_current_value(v) for v in variables]  # Their parameters.
+        frozen = [s for s in sources
+                  if s.is_leaf and s.is_floating_point() and not s.requires_grad]
         leaves = [t if t.requires_grad else t.detach().requires_grad_(True) for t in tensors]
-        with torch.enable_grad():
-            value = fn(*leaves)
-            grads = torch.autograd.grad(loss_of(value), sources + leaves, allow_unused=True,
-                                        create_graph=context.depth > 1)
+        try:
+            for source in frozen:
+                source.requires_grad_(True)
+            with torch.enable_grad():
+                value = fn(*leaves)
+                grads = torch.autograd.grad(loss_of(value), sources + leaves,
+                                            allow_unused=True, create_graph=context.depth > 1)
+        finally:
+            for source in frozen:
+                source.requires_grad_(False)
         return value, list(grads[:len(sources)]), list(grads[len(sources):])
 
     def mean_over_replicas(self, grads):
