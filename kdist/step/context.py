@@ -141,6 +141,8 @@ class StepContext:
         self.skipped: list[Any] = []  # Per LossScaleOptimizer.apply: 1.0 where it skipped.
         self.depth = 0  # `value_and_grad` calls in progress.
         self.applying = False  # Inside an optimizer's `apply`.
+        self.control_flow = 0  # Keras control-flow ops in progress (`kdist.step.optimizer`).
+        self.refusal: Exception | None = None  # The error an `apply` in one of them raised.
         self.rows: int | None = None  # The rows of the batch the step sees.
         # When dry, {id: variable} the step assigns, and those it applies optimizers to.
         self.assigned: dict[int, Any] = {}

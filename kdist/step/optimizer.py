@@ -6,6 +6,7 @@ import contextlib
 
 import keras
 from keras import ops
+from keras.src.ops import core as keras_core
 from keras.src.optimizers.base_optimizer import BaseOptimizer  # Defines every `apply`.
 
 from kdist.errors import UsageError
@@ -142,6 +143,47 @@ def refusing_unknown():
         setattr(BaseOptimizer, "apply", keras_apply)  # noqa: B010
 
 
+# Keras' control-flow ops, whose functions a backend traces as branches or loops.
+_CONTROL_FLOW = (keras_core.Cond, keras_core.Switch, keras_core.WhileLoop,
+                 keras_core.ForiLoop, keras_core.Scan, keras_core.Map)
+
+
+@contextlib.contextmanager
+def counting_control_flow(context):
+    """Counts, in `context.control_flow`, the Keras control-flow ops running now
+    (`keras.ops.cond`, `switch`, `while_loop`, `fori_loop`, `scan`, `map`), so
+    that an optimizer applied inside one is refused: TensorFlow's strategies
+    cannot update variables from a branch, and JAX's stateless update would
+    leave the traced function. Keras' own use inside an optimizer's `apply`
+    passes. The refusal leaves the op as raised, not in Keras' report of the
+    op's arguments."""
+    own = {cls: vars(cls).get("__call__") for cls in _CONTROL_FLOW}
+
+    def counted(keras_call):
+        def call(op, *args, **kwargs):
+            context.control_flow += 1
+            try:
+                return keras_call(op, *args, **kwargs)
+            except Exception:
+                if context.refusal is not None:
+                    raise context.refusal from None
+                raise
+            finally:
+                context.control_flow -= 1
+        return call
+
+    for cls in _CONTROL_FLOW:
+        setattr(cls, "__call__", counted(cls.__call__))  # noqa: B010
+    try:
+        yield
+    finally:
+        for cls, keras_call in own.items():
+            if keras_call is None:
+                delattr(cls, "__call__")  # Back to the one Keras' Operation defines.
+            else:
+                setattr(cls, "__call__", keras_call)  # noqa: B010
+
+
 def _replace_apply(optimizer, apply):
     """Makes `optimizer.apply(grads, variables)` call `apply(Keras' apply, grads,
     variables)`; Keras' own stays at `optimizer._kdist_apply`."""
@@ -166,6 +208,14 @@ def route_apply(optimizer):
         context = step_context.active_or_none()
         if context is None or context.applying:  # Outside kdist, or Keras' own call.
             return original(grads, trainable_variables)
+        if context.control_flow:
+            context.refusal = UsageError(
+                f"the step applies {type(optimizer).__name__} inside keras.ops.cond (or "
+                "another control-flow op): TensorFlow's strategies and JAX cannot update "
+                "variables from a branch or loop; apply it at the step's top level (a "
+                "Python loop of steps works) and choose with the gradients, e.g. "
+                "keras.ops.where")
+            raise context.refusal
         if trainable_variables is not None:
             pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
             grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]

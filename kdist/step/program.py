@@ -194,7 +194,8 @@ class Program:
         data = (x, y) if sample_weight is None else (x, y, sample_weight)
         resets = [(v, ops.convert_to_tensor(r))
                   for v, r in zip(self.metric_variables, self.reset_values)]
-        with reductions.over_global_batch(), context.active(list(mapping) + resets) as scope:
+        with reductions.over_global_batch(), step_optimizer.counting_control_flow(context), \
+                context.active(list(mapping) + resets) as scope:
             logs = self.steps[phase](data)
             if not isinstance(logs, dict):
                 raise UsageError(f"the {phase}_step returns {type(logs).__name__}; return a "
