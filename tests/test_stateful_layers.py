@@ -1,8 +1,8 @@
 """Stateful layers: BatchNormalization's moving statistics and Dropout's random masks.
 
 On TensorFlow each replica draws its own dropout masks (its seed state
-shifted, `tf_replica.seed_offsets`) and moving statistics move by the mean of the
-replicas' changes (`tf_replica.assign_updates`); on JAX the program sees the global
+shifted, `tf_step.seed_offsets`) and moving statistics move by the mean of the
+replicas' changes (`tf_step.assign_updates`); on JAX the program sees the global
 sharded batch, so both are the global batch's. Either way they must train
 like Keras `fit`, survive a checkpoint and resume bit for bit, and be
 reproducible from the seed.

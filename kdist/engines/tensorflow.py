@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from kdist import tree
-from kdist.engines import contract, tf_optimizer, tf_replica
+from kdist.engines import contract, tf_optimizer, tf_step
 from kdist.errors import UsageError
 from kdist.runtime.startup import split_tensorflow_cpu
 from kdist.workers import processes
@@ -132,14 +132,14 @@ class Engine(contract.Engine):
 
     def primitives(self):
         """The step primitives of this engine (`kdist.step.context.Primitives`)."""
-        return tf_replica.Primitives()
+        return tf_step.Primitives()
 
     def compile_steps(self, program):
         """Builds the two chunk functions of `program` (a built
         `kdist.step.program.Program`), traced at their first call.
 
         Each replica runs the step on its slice of the batch
-        (`tf_replica.run_step`: its losses are its batch's, as on one device,
+        (`tf_step.run_step`: its losses are its batch's, as on one device,
         and `kdist.value_and_grad` averages the gradients over replicas). The
         optimizers apply them in place, the same on every replica (their own
         per-replica sum is turned off, see `tf_optimizer.apply_reduced`).
@@ -149,7 +149,7 @@ class Engine(contract.Engine):
             tf_optimizer.apply_reduced(optimizer)
             tf_optimizer.apply_without_cond(optimizer)
         shapes = program.statistic_shapes()
-        replica_step = functools.partial(tf_replica.run_step, program, program.variables)
+        replica_step = functools.partial(tf_step.run_step, program, program.variables)
 
         self._train_chunk: Any = (self._distributed(lambda b: replica_step(b, True), shapes)
                              if program.trains else None)

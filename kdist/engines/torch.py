@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 from kdist import tree
 from kdist.engines import contract
+from kdist.engines.torch_step import Primitives
 from kdist.errors import ReplicaPerProcess, UsageError
-from kdist.step import context as step_context
-from kdist.step.context import current_scope, loss_of
 from kdist.tree import map_arrays as _map_arrays
 from kdist.workers import processes
 
@@ -271,57 +270,3 @@ class Engine(contract.Engine):
 
 def _is_float(variable):
     return "float" in str(variable.dtype)
-
-
-class Primitives(step_context.Primitives):
-    """`kdist.step.context.Primitives` on torch: autograd, and one all-reduce of
-    the gradients per call."""
-
-    applies_in_scope = False  # Keras' torch optimizers update the tensors in place.
-
-    def __init__(self, engine, whole=False):
-        self.engine = engine
-        self.whole = whole  # Every process sees the whole batch (`eval_whole`).
-
-    def value_and_grad(self, context, fn, variables, tensors):
-        """Differentiates `fn(*tensors)` with autograd; inside another
-        `value_and_grad`'s loss, keeps the graph so that loss can be
-        differentiated through this gradient (a gradient penalty). A
-        non-trainable variable's parameter records its graph while `fn` runs,
-        as TensorFlow's and JAX's gradients reach such variables too."""
-        scope = current_scope()
-        sources = [scope.get_current_value(v) for v in variables]  # Their parameters.
-        frozen = [s for s in sources
-                  if s.is_leaf and s.is_floating_point() and not s.requires_grad]
-        leaves = [t if t.requires_grad else t.detach().requires_grad_(True) for t in tensors]
-        try:
-            for source in frozen:
-                source.requires_grad_(True)
-            with torch.enable_grad():
-                value = fn(*leaves)
-                grads = torch.autograd.grad(loss_of(value), sources + leaves,
-                                            allow_unused=True, create_graph=context.depth > 1)
-        finally:
-            for source in frozen:
-                source.requires_grad_(False)
-        return value, list(grads[:len(sources)]), list(grads[len(sources):])
-
-    def mean_over_replicas(self, grads):
-        present = [i for i, g in enumerate(grads) if g is not None]
-        with torch.no_grad():
-            summed = self.engine._all_reduce_sum([grads[i] for i in present])
-        out = list(grads)
-        for i, g in zip(present, summed):
-            out[i] = g / self.engine.num_replicas if self.engine.num_replicas > 1 else g
-        return out
-
-    def replicas_sharing(self):
-        return 1 if self.whole else self.engine.num_replicas
-
-    def sum_over_shares(self, values):
-        with torch.no_grad():
-            return self.engine._all_reduce_sum([v.detach() for v in values])
-
-    def apply(self, context, optimizer, apply, grads, variables):
-        with context.optimizer_applying(), torch.no_grad():
-            return apply(grads, variables)
