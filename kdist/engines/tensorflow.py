@@ -9,18 +9,10 @@ import numpy as np
 import tensorflow as tf
 
 from kdist import tree
-from kdist.engines import contract, tf_optimizer, tf_step
+from kdist.engines import contract, tf_function, tf_optimizer, tf_step
 from kdist.errors import UsageError
 from kdist.runtime.startup import split_tensorflow_cpu
 from kdist.workers import processes
-
-
-def _own_function(fn):
-    """`tf.function(fn)`, its traces counted apart from those of other functions of
-    the same code. TensorFlow warns of frequent retracing after five traces of
-    one code object, so each engine's first traces would count as retraces of an
-    earlier engine's where a process trains more than once."""
-    return tf.function(functools.partial(fn))
 
 
 def _replica_devices(replicas):
@@ -171,7 +163,7 @@ class Engine(contract.Engine):
             return {key: strategy.reduce(tf.distribute.ReduceOp.SUM, value, None)
                     for key, value in stats.items()}
 
-        return _own_function(whole)
+        return tf_function.own_function(whole)
 
     def _distributed(self, replica_fn, shapes):
         """A tf.function running `replica_fn` on each step of a stacked chunk.
@@ -201,7 +193,7 @@ class Engine(contract.Engine):
                     for key, values in per_step.items()}
             return {key: values.stack() for key, values in per_step.items()}
 
-        return _own_function(steps)
+        return tf_function.own_function(steps)
 
     def _summed_per_chunk(self, replica_fn, shapes):
         """`_distributed` across workers: row k of each replica's (K, n) matrix
@@ -224,7 +216,7 @@ class Engine(contract.Engine):
             return {key: tf.reshape(part, [num_steps, *shape]) for (key, shape), part in
                     zip(shapes.items(), tf.split(total, sizes, axis=1))}
 
-        return _own_function(steps)
+        return tf_function.own_function(steps)
 
     def distribute(self, stacked):
         """Splits a stacked chunk, numpy arrays of (K, batch, ...), along the
@@ -267,7 +259,7 @@ class Engine(contract.Engine):
         if self.shard[1] == 1:
             return bool(flag)
         if self._sum_over_replicas is None:
-            self._sum_over_replicas = _own_function(
+            self._sum_over_replicas = tf_function.own_function(
                 lambda values: self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, None))
         values = self.strategy.experimental_distribute_values_from_function(
             lambda ctx: tf.constant(float(bool(flag))))
@@ -286,7 +278,7 @@ class Engine(contract.Engine):
         if workers == 1:
             return [list(values)]
         if self._sum_over_replicas is None:
-            self._sum_over_replicas = _own_function(
+            self._sum_over_replicas = tf_function.own_function(
                 lambda values: self.strategy.reduce(tf.distribute.ReduceOp.SUM, values, None))
         local = self.num_replicas // workers
 
