@@ -5,6 +5,7 @@ Every multi-replica case here runs real processes joined by torch.distributed
 """
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from test_training import checkpoint_arrays
 from kdist import checkpoints, engines, tree
 from kdist.engines import contract
 from kdist.errors import Interrupted, TrainingError, UsageError
-from kdist.loop import chunks, replicas
+from kdist.loop import chunks, pickled, replicas
 from kdist.runtime import memory
 from kdist.workers import cluster
 from kdist.workers.processes import free_ports
@@ -125,6 +126,46 @@ def test_a_process_group_of_the_wrong_size_is_refused():
 def test_unpicklable_inputs_are_one_clear_error():
     with pytest.raises(UsageError, match="cannot be"):
         replicas.run(2, one_step_and_evaluation, dict(dataset=(x for x in [])))
+
+
+def _adamw_without_bias_decay():
+    optimizer = keras.optimizers.AdamW(0.01)
+    optimizer.exclude_from_weight_decay(var_names=["bias"])
+    return optimizer
+
+
+@pytest.mark.parametrize("made, changed", [
+    (lambda: keras.losses.Huber(delta=0.5), r"delta=0\.5 \(it arrives as 1\.0\)"),
+    (lambda: keras.losses.CosineSimilarity(axis=0), r"axis=0 \(it arrives as -1\)"),
+    (_adamw_without_bias_decay, "_exclude_from_weight_decay_pattern"),
+])
+def test_keras_objects_that_pickling_would_change_are_refused_before_any_process(made, changed):
+    """Keras pickles a loss or optimizer through its config, which leaves these
+    settings out: made outside model_fn, each replica would train with others."""
+    outside = made()
+
+    def model_fn():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        if isinstance(outside, keras.optimizers.Optimizer):
+            model.compile(optimizer=outside, loss="mse")
+        else:
+            model.compile(optimizer="sgd", loss=outside)
+        return model
+
+    with pytest.raises(UsageError, match=f"made outside model_fn .*{changed}.*inside model_fn"):
+        replicas.run(2, one_step_and_evaluation, dict(dataset=None, model_fn=model_fn))
+    with pytest.raises(UsageError, match=changed):  # Compiled into a model made outside.
+        replicas.run(2, one_step_and_evaluation, dict(dataset=None, model=model_fn()))
+    made_inside = pickle.loads(pickled.dumps(lambda: made()))()
+    assert vars(made_inside).keys() == vars(outside).keys()
+
+
+def test_keras_objects_that_pickling_keeps_travel():
+    objects = [keras.losses.Huber(), keras.optimizers.SGD(0.3, momentum=0.9, clipnorm=1.0),
+               keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=2),
+               keras.metrics.SparseTopKCategoricalAccuracy(k=3)]
+    arrived = pickle.loads(pickled.dumps(objects))
+    assert [o.get_config() for o in arrived] == [o.get_config() for o in objects]
 
 
 def failing(log, stop):

@@ -27,7 +27,8 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   checkpoint (`follow_launcher`, and a broken pipe to the parent), and exit
   without a word: what they would send the parent is dropped.
 
-An input that cannot be pickled (a tf.data pipeline) is refused with one line.
+An input that cannot be pickled (a tf.data pipeline) is refused with one line,
+and so is a Keras object that Keras' pickling would change (`pickled`).
 """
 
 import contextlib
@@ -47,6 +48,7 @@ import cloudpickle
 
 from kdist import hints
 from kdist.errors import Interrupted, KdistError, TrainingError, UsageError
+from kdist.loop import pickled
 from kdist.runtime import memory, startup
 from kdist.workers import cluster, interrupt
 from kdist.workers.processes import (
@@ -85,7 +87,9 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     """
     _check_memory(num_replicas)
     try:
-        call = cloudpickle.dumps((fn, kwargs))
+        call = pickled.dumps((fn, kwargs))
+    except UsageError:
+        raise
     except Exception as e:  # noqa: BLE001 (whatever pickling raises, one line)
         raise UsageError(
             f"on this backend each replica is a process, which gets the data and functions "
