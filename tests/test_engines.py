@@ -15,6 +15,7 @@ import pytest
 from conftest import REPO
 from helpers import prepare
 
+import kdist
 from kdist import engines
 from kdist.engines import contract
 from kdist.inputs import arrays
@@ -49,6 +50,43 @@ def test_the_active_engine_meets_the_contract_when_used(small_dataset, replicas,
     assert engine.compiled_train_programs() == 1
     engine.sync_to_model()  # The optimizer steps reach the Keras variables.
     assert any(np.abs(a - b).max() > 0 for a, b in zip(initial, model.get_weights()))
+
+
+@pytest.mark.parametrize("made_outside", ["model", "optimizer"])
+def test_a_model_or_optimizer_made_before_the_engine(tmp_path, made_outside):
+    """TensorFlow's strategy does not hold variables made outside its scope, and
+    a replica function cannot update them (Keras failed with an AssertionError,
+    or 'Mixing different tf.distribute.Strategy objects'): one clear error. JAX
+    trains such a model as one made in model_fn."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+
+    def make():
+        keras.utils.set_random_seed(0)
+        return (keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)]),
+                keras.optimizers.SGD(0.1))
+
+    def model_fn(outside=None):
+        model, optimizer = make()
+        if outside is not None:
+            model = outside[0] if made_outside == "model" else model
+            optimizer = outside[1] if made_outside == "optimizer" else optimizer
+        model.compile(optimizer=optimizer, loss="mse")
+        return model
+
+    def train(fn, folder):
+        config = kdist.TrainConfig(epochs=1, batch_size_per_replica=8, replicas=2,
+                                   checkpoint_dir=str(tmp_path / folder), progress=False)
+        return kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, :1], x, x[:, :1], "toy"),
+                                        model_fn=fn, log=lambda line: None).history
+
+    outside = make()
+    if keras.backend.backend() == "tensorflow":
+        named = "a model created" if made_outside == "model" else "optimizer .SGD. was created"
+        with pytest.raises(kdist.UsageError, match=f"{named} outside .*inside model_fn"):
+            train(lambda: model_fn(outside), "outside")
+        assert list((tmp_path / "outside").iterdir()) == []
+    elif keras.backend.backend() == "jax":
+        assert train(lambda: model_fn(outside), "outside") == train(model_fn, "inside")
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's warning")
@@ -91,6 +129,7 @@ THREADS_AFTER_JOINING = """
 import sys
 sys.path.insert(0, {repo!r})
 import keras
+import kdist
 from kdist import engines
 from kdist.workers import cluster
 engines.connect(cluster.ClusterSpec(1, 0, ("127.0.0.1:{port}",), 60.0, source="test"))

@@ -95,6 +95,11 @@ class Engine(Protocol):
     def scope(self) -> contextlib.AbstractContextManager[Any]:
         """The context in which the model, optimizer and variables must be created."""
 
+    def outside_scope(self, variables: list[Any], /) -> list[Any]:
+        """Those of `variables` that the steps cannot update because they were
+        created outside `scope()` (before the engine existed); none where any
+        variable serves."""
+
     def primitives(self) -> "Primitives":
         """What a step calls for the parts that differ per backend: gradients and
         their average over replicas (`kdist.step.context.Primitives`)."""

@@ -100,6 +100,10 @@ class Engine(contract.Engine):
         """Context in which the model, optimizer and variables must be created."""
         return self.distribution.scope() if self.distribution else contextlib.nullcontext()
 
+    def outside_scope(self, variables):
+        """Any variable serves: the engine places the state itself."""
+        return []
+
     def primitives(self):
         """The step primitives of this engine (`kdist.step.context.Primitives`)."""
         return Primitives()

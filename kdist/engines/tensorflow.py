@@ -98,6 +98,7 @@ class Engine(contract.Engine):
 
     def __init__(self, replicas=None, distributed=True):
         self.shard, self.is_chief = (0, 1), True
+        self.distributed = distributed
         if distributed and _connected:
             self.strategy, spec = _connected
             self.devices = list(self.strategy.extended.worker_devices)
@@ -121,6 +122,14 @@ class Engine(contract.Engine):
     def scope(self):
         """Context in which the model, optimizer and variables must be created."""
         return self.strategy.scope()
+
+    def outside_scope(self, variables):
+        """Variables no strategy or another one holds: created outside `scope()`,
+        a replica function cannot update them. Without a strategy, none."""
+        if not self.distributed:
+            return []
+        return [v for v in variables
+                if getattr(v.value, "_distribute_strategy", None) is not self.strategy]
 
     def primitives(self):
         """The step primitives of this engine (`kdist.step.context.Primitives`)."""

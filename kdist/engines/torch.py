@@ -130,6 +130,10 @@ class Engine(contract.Engine):
         """Variables live on Keras' torch device; no scope is needed."""
         return contextlib.nullcontext()
 
+    def outside_scope(self, variables):
+        """Any variable serves: each process holds its own."""
+        return []
+
     def primitives(self):
         """The step primitives of this engine (`kdist.step.context.Primitives`)."""
         return Primitives(self)

@@ -17,6 +17,7 @@ from kdist.inputs import arrays
 from kdist.models import losses
 from kdist.models.cnn import create_model
 from kdist.precision import policy
+from kdist.step import optimizer as step_optimizer
 from kdist.step import program
 from kdist.step.compiled import build_metrics
 
@@ -44,6 +45,7 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     """
     with engine.scope(), policy(precision):
         model = model_fn()
+        _refuse_outside_scope(engine, model)
         if program.defines(model, "train_step"):  # The model's own step.
             if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:
                 raise UsageError(
@@ -72,6 +74,22 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
         if sample is not None:
             build_metrics(model, *sample)
     return model, optimizer
+
+
+def _refuse_outside_scope(engine, model):
+    """A model, or an optimizer it holds, created before the engine (outside
+    `model_fn`) whose variables the engine's replicas cannot update
+    (`outside_scope`: on TensorFlow, variables no strategy holds) is a UsageError."""
+    if engine.outside_scope(model.variables):
+        raise UsageError(
+            "model_fn returned a model created outside it, before kdist's engine existed, "
+            "so the replicas do not hold its variables; create the model inside model_fn")
+    for optimizer in step_optimizer.held_by(model):
+        if engine.outside_scope(optimizer.variables):
+            raise UsageError(
+                f"the model's optimizer ({type(optimizer).__name__}) was created outside "
+                "model_fn, before kdist's engine existed, so the replicas do not hold its "
+                "variables; create it inside model_fn")
 
 
 def prepare_model(engine, global_batch_size, sample, model_fn=create_model, optimizer_fn=None,
