@@ -66,9 +66,10 @@ def check_replicas_equal(engine, epoch):
         raise TrainingError(
             f"the replicas' weights differ after epoch {epoch}: the step changes the "
             "averaged gradients with what differs between replicas (a replica's own "
-            "loss value, data or keras.random draws), so each replica trained another "
-            "model; change them only with what every replica shares (the gradients, "
-            "kdist.random, the optimizer's step); this epoch's checkpoint is not written")
+            "loss value, data, keras.random draws or kdist.random rows), so each replica "
+            "trained another model; change them only with what every replica shares (the "
+            "gradients, the optimizer's step, constants); this epoch's checkpoint is not "
+            "written")
 
 
 def fingerprint(batch):
