@@ -2,86 +2,15 @@
 `MultiWorkerMirroredStrategy` across workers once `connect` ran."""
 
 import functools
-import os
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from kdist import tree
-from kdist.engines import contract, tf_function, tf_optimizer, tf_step
-from kdist.errors import UsageError
-from kdist.runtime.startup import split_tensorflow_cpu
-from kdist.workers import processes
-
-
-def _replica_devices(replicas):
-    """Device names for `replicas` replicas: GPUs if any, else a split CPU."""
-    gpus = tf.config.list_physical_devices("GPU")
-    if gpus:
-        if replicas is not None and replicas > len(gpus):
-            raise UsageError(f"--replicas {replicas} but only {len(gpus)} GPUs are "
-                             f"visible; pass --replicas {len(gpus)} or fewer")
-        return [f"/gpu:{i}" for i in range(replicas or len(gpus))]
-    replicas = replicas or 1
-    cpus = split_tensorflow_cpu(replicas)
-    if replicas > len(cpus):
-        raise UsageError(f"--replicas {replicas} but TensorFlow already started with "
-                         f"{len(cpus)} CPU devices; create the engine before any "
-                         "TensorFlow op runs")
-    return [d.name for d in cpus[:replicas]]
-
-
-_connected = None  # (MultiWorkerMirroredStrategy, ClusterSpec) once connect() ran.
-
-
-def connect(spec, replicas=None):
-    """Creates the MultiWorkerMirroredStrategy of `spec`; blocks until every worker joins.
-
-    TensorFlow requires this strategy before any other op. Flags become
-    `TF_CONFIG`, which the strategy reads. On CPUs the collectives use RING
-    (gRPC); each worker then has one replica, its CPU. On GPUs each worker
-    uses all its GPUs. Workers that share a machine share its cores
-    (`_share_cores`).
-    """
-    global _connected
-    _share_cores()
-    if spec.source != "TF_CONFIG":
-        os.environ["TF_CONFIG"] = spec.tf_config()
-    on_cpu = not tf.config.list_physical_devices("GPU")
-    implementation = tf.distribute.experimental.CommunicationImplementation
-    options = tf.distribute.experimental.CommunicationOptions(
-        implementation=implementation.RING if on_cpu else implementation.AUTO)
-    strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
-    local = len(strategy.extended.worker_devices)
-    if replicas is not None and replicas != local:
-        raise UsageError(f"--replicas {replicas}: with several workers, each TensorFlow "
-                         f"worker uses all its GPUs, or one CPU ({local} here); "
-                         "leave --replicas out")
-    _connected = (strategy, spec)
-
-
-def _share_cores():
-    """Splits this machine's cores between the training processes on it.
-
-    Each TensorFlow process sizes its thread pools to every core it may run on;
-    two workers on one machine then run twice as many threads as cores, and
-    each waits longer in every step's all-reduce for the other
-    (docs/performance.md). The count of processes comes from kdist's launchers
-    (`kdist.workers.processes.cores_per_process`); `TF_NUM_INTRAOP_THREADS` or
-    `TF_NUM_INTEROP_THREADS`, if set, are left to TensorFlow.
-    """
-    if (processes.local_processes() == 1 or os.environ.get("TF_NUM_INTRAOP_THREADS")
-            or os.environ.get("TF_NUM_INTEROP_THREADS")):
-        return
-    cores = processes.cores_per_process()
-    tf.config.threading.set_intra_op_parallelism_threads(cores)
-    tf.config.threading.set_inter_op_parallelism_threads(cores)
-
-
-def connected():
-    """Whether `connect` created this process's MultiWorkerMirroredStrategy."""
-    return _connected is not None
+from kdist.engines import contract, tf_cluster, tf_function, tf_optimizer, tf_step
+from kdist.engines.tf_cluster import connect as connect  # The engine module API: joining.
+from kdist.engines.tf_cluster import connected as connected
 
 
 class Engine(contract.Engine):
@@ -99,12 +28,12 @@ class Engine(contract.Engine):
     def __init__(self, replicas=None, distributed=True):
         self.shard, self.is_chief = (0, 1), True
         self.distributed = distributed
-        if distributed and _connected:
-            self.strategy, spec = _connected
+        if distributed and tf_cluster.connected():
+            self.strategy, spec = tf_cluster.joined()
             self.devices = list(self.strategy.extended.worker_devices)
             self.shard, self.is_chief = (spec.worker_index, spec.num_workers), spec.is_chief
         elif distributed:
-            devices = _replica_devices(replicas)
+            devices = tf_cluster.replica_devices(replicas)
             # On CPUs, reduce on one device: TF's default collectives key their
             # groups per strategy, and a second strategy in the same process
             # with another device count then aborts ("joining a group with size").
