@@ -31,7 +31,6 @@ An input that cannot be pickled (a tf.data pipeline) is refused with one line,
 and so is a Keras object that Keras' pickling would change (`pickled`).
 """
 
-import contextlib
 import os
 import pickle
 import shutil
@@ -40,17 +39,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from multiprocessing import connection
 
 import cloudpickle
 
 from kdist import hints
-from kdist.errors import Interrupted, KdistError, TrainingError, UsageError
+from kdist.errors import Interrupted, TrainingError, UsageError
 from kdist.loop import pickled
-from kdist.runtime import memory, startup
-from kdist.workers import cluster, interrupt
+from kdist.runtime import memory
+from kdist.workers import cluster
 from kdist.workers.processes import (
     CLUSTER_VARIABLES,
     LAUNCHER_VARIABLE,
@@ -58,9 +56,7 @@ from kdist.workers.processes import (
     REPLICA_PROCESSES_VARIABLE,
     STOP_SIGNALS,
     exit_status,
-    follow_launcher,
     free_ports,
-    silence_output,
 )
 
 GRACE_SECONDS = 30.0  # For the others to stop once one process has failed.
@@ -70,8 +66,7 @@ PROCESS_GB = 0.75
 # How a replica process ends on a stop signal while it joins the others
 # (`cluster.connect_deadline`); elsewhere its handler stops it with a result.
 _STOPPED_JOINING = tuple(-s for s in STOP_SIGNALS)
-_SLOW_START = "this machine may lack the memory or CPU time to start every replica process"
-_CHILD = "from kdist.loop.replicas import replica_main; replica_main()"
+_CHILD = "from kdist.loop.replica_process import replica_main; replica_main()"
 
 
 def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
@@ -226,84 +221,6 @@ def _kill(processes):
         if process.poll() is None:
             process.kill()
         process.wait(timeout=30)
-
-
-def replica_main():
-    """The entry point of one replica process (`python -c`, started by `run`)."""
-    workers, rank, address, timeout, payload, fd, terms, heap = sys.argv[1:9]
-    if heap == "keep":
-        memory.keep_freed_memory()
-    spec = cluster.ClusterSpec(int(workers), int(rank), (address,), float(timeout),
-                               source=f"{workers} local replica processes")
-    stop = interrupt.StopRequest()
-    pipe = _ParentPipe(int(fd), stop)
-    follow_launcher(stop)  # The parent: gone, it cannot stop this process.
-    chief = spec.worker_index == 0
-
-    def log(line):
-        if chief:
-            pipe.send(("log", line))
-
-    try:
-        with interrupt.stop_on_signals(stop, escalate=False), (  # `run` ends it if need be.
-                hints.command_line() if terms == "flags" else contextlib.nullcontext()):
-            # Start-up notices hidden as in the parent, whose
-            # `startup.prepare_environment` sets TF_CPP_MIN_LOG_LEVEL unless --verbose.
-            startup.load_frameworks(quiet="TF_CPP_MIN_LOG_LEVEL" in os.environ)
-            with open(payload, "rb") as f:
-                sys.path[:] = pickle.load(f)
-                warnings.showwarning = pickle.load(f)
-                fn, kwargs = pickle.load(f)
-            from kdist import engines  # Loads Keras and the backend.
-
-            with cluster.connect_deadline(spec, remedy=_SLOW_START):
-                engines.connect(spec)
-            result = fn(**kwargs, log=log, stop=stop)
-        pipe.send(("ok", result if chief else None))
-    except BaseException as e:  # noqa: BLE001 (every outcome goes to the parent)
-        pipe.send(("error", _portable(e)))
-    finally:
-        pipe.close()
-
-
-class _ParentPipe:
-    """The pipe to the parent. Once the parent is gone (the pipe is broken), what
-    is sent is dropped, `stop` is requested as SIGTERM would (the processes
-    agree on a step, the chief checkpoints), and nothing more is printed: the
-    parent's output may be gone with it."""
-
-    def __init__(self, fd, stop):
-        self.pipe = connection.Connection(fd, readable=False)
-        self.stop = stop
-        self.gone = False
-
-    def send(self, item):
-        if self.gone:
-            return
-        try:
-            self.pipe.send(item)
-        except OSError:  # BrokenPipeError: the parent was killed.
-            self.gone = True
-            if not self.stop:
-                self.stop.request("SIGTERM")
-
-    def close(self):
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        except OSError:
-            self.gone = True
-        if self.gone:  # Nothing left to print to: Python's own flush at exit stays quiet.
-            silence_output()
-
-
-def _portable(error):
-    """(class, message, attributes, traceback) of `error`: a kdist error comes back
-    as itself; any other as a TrainingError with its type, message and traceback."""
-    if isinstance(error, KdistError):
-        return type(error), str(error), dict(vars(error)), None
-    return (TrainingError, f"{type(error).__name__}: {error}", {},
-            "".join(traceback.format_exception(error)))
 
 
 def _rebuilt(cls, message, attributes, trace):
