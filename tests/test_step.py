@@ -351,15 +351,20 @@ def test_a_gradient_with_respect_to_a_frozen_layer(tmp_path):
     """Every backend gives it (torch refused: the parameter did not require one),
     and the frozen weights stay as they were."""
     x = np.random.default_rng(1).normal(size=(64, 5)).astype(np.float32)
-    model = FrozenGradient()
-    model(x[:2])
-    before = np.array(model.frozen.kernel.numpy())
+    built = []
+
+    def model_fn():
+        model = FrozenGradient()
+        model(x[:2])
+        built.append(np.array(model.frozen.kernel.numpy()))
+        return model
+
     config = kdist.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=1,
                                checkpoint_dir=str(tmp_path), progress=False)
     result = kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, 0], x, x[:, 0], "toy"),
-                                      model_fn=lambda: model, log=lambda line: None)
+                                      model_fn=model_fn, log=lambda line: None)
     np.testing.assert_allclose(result.history["grad_sum"], [x.mean(axis=0).sum()], rtol=1e-5)
-    np.testing.assert_array_equal(result.model.frozen.kernel.numpy(), before)
+    np.testing.assert_array_equal(result.model.frozen.kernel.numpy(), built[0])
 
 
 class OwnLossScaled(keras.Model):
