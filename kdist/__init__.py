@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # What type checkers see; at run time `__getattr__` loads eac
     from kdist.errors import MetricsError as MetricsError
     from kdist.errors import TrainingError as TrainingError
     from kdist.errors import UsageError as UsageError
+    from kdist.errors import WorkerLost as WorkerLost
     from kdist.inputs.arrays import Dataset as Dataset
     from kdist.inputs.base import Inputs as Inputs
     from kdist.inputs.tfrecords import TFRecords as TFRecords
@@ -69,6 +70,7 @@ _LAZY = {
     "LockHeld": "kdist.errors",
     "MetricsError": "kdist.errors",
     "TrainingError": "kdist.errors",
+    "WorkerLost": "kdist.errors",
     "Interrupted": "kdist.errors",
 }
 __all__ = sorted([*_LAZY, "random"])

@@ -20,6 +20,7 @@ the modules that raise them (`kdist.runtime.startup.UsageError`, `kdist.errors.D
     │   └── LockHeld           another run holds the checkpoint folder
     ├── MetricsError       a metrics file cannot be written
     ├── TrainingError      training cannot go on (a non-finite loss)
+    │   └── WorkerLost     another worker went away mid-run
     └── Interrupted        stopped on a signal after a checkpoint (128 + signal)
 """
 
@@ -73,6 +74,11 @@ class MetricsError(KdistError, RuntimeError):
 
 class TrainingError(KdistError, RuntimeError):
     """Training cannot go on (e.g. a non-finite loss)."""
+
+
+class WorkerLost(TrainingError):
+    """A collective with the other workers failed mid-run: another worker stopped
+    or its machine went away. The message names the framework's cause."""
 
 
 class Interrupted(KdistError, RuntimeError):

@@ -75,7 +75,7 @@ def test_one_backend_registry_and_message(monkeypatch):
 
 ERRORS = [errors.UsageError, errors.DataError, errors.CheckpointError,
           errors.InvalidCheckpoint, errors.LockHeld, errors.MetricsError,
-          errors.TrainingError, errors.Interrupted]
+          errors.TrainingError, errors.WorkerLost, errors.Interrupted]
 
 
 def test_every_kdist_error_is_a_kdist_error_and_keeps_its_names():
@@ -87,7 +87,8 @@ def test_every_kdist_error_is_a_kdist_error_and_keeps_its_names():
             (ckptfile.InvalidCheckpoint, kdist.InvalidCheckpoint),
             (ckptfile.NonFiniteWeights, errors.NonFiniteWeights),
             (runlock.LockHeld, kdist.LockHeld), (reporting.MetricsError, kdist.MetricsError),
-            (training.TrainingError, kdist.TrainingError), (training.Interrupted,
+            (training.TrainingError, kdist.TrainingError),
+            (training.WorkerLost, kdist.WorkerLost), (training.Interrupted,
                                                              kdist.Interrupted)]
     for names in same:
         assert len(set(names)) == 1, names
@@ -104,6 +105,7 @@ def test_every_kdist_error_is_a_kdist_error_and_keeps_its_names():
     (errors.LockHeld("held"), 1, ": error: held"),
     (errors.MetricsError("disk full"), 1, ": error: disk full"),
     (errors.TrainingError("nan"), 1, ": error: nan"),
+    (errors.WorkerLost("lost the other workers"), 1, ": error: lost the other workers"),
 ])
 def test_each_main_maps_each_error_to_its_exit_status(command, body, error, status, line,
                                                       monkeypatch, capsys):

@@ -196,3 +196,38 @@ def test_sigterm_reaches_the_script_after_joining():
     peers = ",".join(f"127.0.0.1:{port}" for port in free_ports(2))
     for output in two_processes(SIGTERM_AFTER_JOINING, peers):
         assert output.splitlines()[-1] == "SIGTERM reached the script's handler: True", output
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX's runtime then holds the process until its "
+                    "100 s heartbeat timeout (docs/library.md, Multiple machines)")
+def test_a_worker_that_dies_mid_run_ends_the_others_in_one_line(tmp_path):
+    """Under a cluster's own launcher nobody stops the other workers: each one's next
+    collective fails, and it ends as kdist's commands end, in one line (the
+    framework's own error was a traceback)."""
+    port, folder = two_free_ports(), str(tmp_path / "ckpt")
+    args = [*ARGS[:2], "--epochs", "3", *ARGS[6:], "--checkpoint-dir", folder]
+    errors = [open(tmp_path / f"stderr-{index}", "w+") for index in (0, 1)]
+    chief, other = (subprocess.Popen(
+        [sys.executable, SCRIPT, *args], stdout=subprocess.PIPE, stderr=errors[index],
+        text=True, env=dict(environment(tmp_path), **kubernetes(index, port)))
+        for index in (0, 1))
+    try:
+        for line in chief.stdout:
+            if line.startswith("Epoch 1/3"):
+                other.kill()
+                break
+        chief.communicate(timeout=120)
+    finally:
+        for process in (chief, other):
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+    errors[0].seek(0)
+    error = errors[0].read()
+    assert chief.returncode == 1, error
+    lines = [line for line in error.splitlines() if line.startswith("error: ")]
+    assert lines == [error.strip().splitlines()[-1]] and "Traceback" not in error, error
+    assert lines[0].startswith("error: lost the other workers mid-run ("), error
+    assert lines[0].endswith("another worker stopped or its machine went away (see its "
+                             "output); the same command on every worker resumes from the "
+                             f"newest checkpoint in {folder}"), error

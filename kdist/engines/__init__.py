@@ -5,6 +5,7 @@ workers before anything else runs.
 """
 
 import importlib
+import re
 
 import keras
 
@@ -39,6 +40,25 @@ def replica_processes(replicas):
 def connected() -> bool:
     """Whether this process has joined other workers (`connect`) on the active backend."""
     return bool(getattr(_backend_module(), "connected", lambda: False)())
+
+
+def lost_peer(error: BaseException) -> str | None:
+    """The cause, in one line, where `error` is a collective with the other
+    workers that failed mid-run (another worker stopped or its machine went
+    away: the engine module's `failed_collective`); None for any other error
+    and where this process has not joined other workers."""
+    if not isinstance(error, Exception) or not connected():
+        return None
+    if not _backend_module().failed_collective(error):
+        return None
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    line = next((line for line in lines if _CAUSE.search(line)), lines[0] if lines else "")
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". ")[0]  # gloo's source file, advice.
+    return f"{type(error).__name__}: {line[:160]}"
+
+
+_CAUSE = re.compile(r"connection (reset|closed|refused)|socket|heartbeat|timed? ?out|peer",
+                    re.IGNORECASE)
 
 
 def connect(spec, replicas=None):

@@ -37,6 +37,14 @@ def connected():
     return jax_distributed.global_state.client is not None  # As jax.distributed.is_initialized.
 
 
+def failed_collective(error):
+    """Whether `error` is a collective across the processes that failed: the
+    runtime error of a gloo collective or of the distributed service's
+    heartbeats (JAX gives both one exception class; its message names them)."""
+    return isinstance(error, jax.errors.JaxRuntimeError) and any(
+        word in str(error) for word in ("Gloo", "gloo", "heartbeat", "UNAVAILABLE"))
+
+
 def _replica_devices(replicas):
     devices = keras.distribution.list_devices()
     if jax.process_count() > 1:  # Every process's devices; `replicas` counts this one's.

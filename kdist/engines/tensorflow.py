@@ -11,6 +11,7 @@ from kdist import tree
 from kdist.engines import contract, tf_cluster, tf_function, tf_optimizer, tf_step
 from kdist.engines.tf_cluster import connect as connect  # The engine module API: joining.
 from kdist.engines.tf_cluster import connected as connected
+from kdist.engines.tf_cluster import failed_collective as failed_collective
 
 
 class Engine(contract.Engine):

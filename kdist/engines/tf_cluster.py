@@ -79,6 +79,14 @@ def connected():
     return _connected is not None
 
 
+def failed_collective(error):
+    """Whether `error` is a collective across the workers that failed: the
+    errors TensorFlow's collectives raise when a peer goes away (an
+    unreachable task, an aborted or cancelled collective, a deadline)."""
+    return isinstance(error, (tf.errors.UnavailableError, tf.errors.AbortedError,
+                              tf.errors.CancelledError, tf.errors.DeadlineExceededError))
+
+
 def joined():
     """(MultiWorkerMirroredStrategy, ClusterSpec) that `connect` created."""
     return _connected

@@ -76,6 +76,15 @@ def _leave_group():
         dist.destroy_process_group()
 
 
+def failed_collective(error):
+    """Whether `error` is a collective of the process group that failed: torch's
+    `DistError`, or the `RuntimeError` that gloo and NCCL raise for a peer that
+    went away (its message names them)."""
+    message = str(error)
+    return isinstance(error, dist.DistError) or (
+        isinstance(error, RuntimeError) and ("gloo/" in message or "NCCL" in message))
+
+
 def _share_cores():
     """Splits this machine's cores between the training processes on it.
 

@@ -8,6 +8,7 @@ and its step are built by `kdist.loop.building`, one run's pieces held by
 `kdist.loop.run.Run`.
 """
 
+import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Sequence
@@ -19,7 +20,7 @@ import numpy as np
 from kdist import checks, engines, hints
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.engines import joining
-from kdist.errors import Interrupted, TrainingError  # noqa: F401 (importable here)
+from kdist.errors import Interrupted, TrainingError, WorkerLost  # noqa: F401 (importable here)
 from kdist.inputs import arrays, base, sources
 from kdist.loop import hooks, replicas, reporting, tensorboard
 from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
@@ -92,14 +93,15 @@ def train_and_evaluate(
                 loss_fn=loss_fn, compute_loss=compute_loss, callbacks=callbacks),
                 log=log, stop=stop)
         else:
-            run = Run(config, prepared, model_fn, optimizer_fn, loss_fn, compute_loss)
-            try:
-                result = _train(run, log, interrupt.AgreedStop(stop, run.engine), callbacks)
-            except BaseException:
-                run.abandon_writes()
-                raise
-            finally:
-                run.manager.release()
+            with _workers_lost(config):
+                run = Run(config, prepared, model_fn, optimizer_fn, loss_fn, compute_loss)
+                try:
+                    result = _train(run, log, interrupt.AgreedStop(stop, run.engine), callbacks)
+                except BaseException:
+                    run.abandon_writes()
+                    raise
+                finally:
+                    run.manager.release()
     if os.environ.get(REPLICA_PROCESSES_VARIABLE) == "1":  # A replica process of `run`:
         # the process that started it builds the model and takes the callbacks' state.
         return dataclasses.replace(result, model=None,
@@ -172,6 +174,22 @@ def _train(run, log, stop, callbacks):
         f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
     return dataclasses.replace(result, restored=restored, model=model)  # Its weights next.
+
+
+@contextlib.contextmanager
+def _workers_lost(config):
+    """Turns a collective with the other workers that failed (`engines.lost_peer`)
+    into one `WorkerLost` line."""
+    try:
+        yield
+    except Exception as error:
+        cause = engines.lost_peer(error)
+        if cause is None:
+            raise
+        raise WorkerLost(
+            f"lost the other workers mid-run ({cause}): another worker stopped or its "
+            "machine went away (see its output); the same command on every worker resumes "
+            f"from the newest checkpoint in {config.checkpoint_dir}") from error
 
 
 def _to_tensorboard(run, position, banner):
