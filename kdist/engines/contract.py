@@ -129,12 +129,7 @@ class Engine(Protocol):
         is done."""
 
     def eval_chunk(self, chunk: Any, num_steps: int, /) -> Statistics:
-        """Like `train_chunk`, in inference mode and without updating anything.
-
-        With an optimizer compiled with `use_ema=True`, the model is
-        evaluated with the optimizer's moving averages in place of its
-        trainable weights (`kdist.step.optimizer.ema_variables`), as Keras' `fit`
-        leaves the model at its end."""
+        """Like `train_chunk`, in inference mode and without updating anything."""
 
     def eval_whole(self, batch: Batch, /) -> Statistics:
         """Evaluates one NumPy batch of any size (the examples after an evaluation
@@ -154,10 +149,12 @@ class Engine(Protocol):
         """Whether `flag` is true on any worker: a collective every worker calls at
         the same point of the loop; no communication with one worker."""
 
-    def replica_checksums(self) -> list[int]:
-        """A checksum of the program's variables on each replica this process holds
-        (`kdist.tree.checksum`): the replicas apply the same averaged
-        gradients, so every checksum is the same unless a step made them differ."""
+    def replica_checksums(self) -> list[list[int]]:
+        """For each replica this process holds, a checksum of each of the program's
+        variables, in `program.variables`' order (`kdist.tree.checksum`): the
+        replicas apply the same averaged gradients and keep the same
+        assignments, so every replica's are the same unless a step made them
+        differ."""
 
     def workers_values(self, values: list[int], /) -> list[list[int]]:
         """Every worker's `values` (integers in [0, 2**24): exact in float32), in

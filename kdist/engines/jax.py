@@ -235,8 +235,8 @@ class Engine(contract.Engine):
         return bool(np.any(flags))
 
     def replica_checksums(self):
-        """One: the program's state is one set of arrays, replicated by XLA."""
-        return [0]
+        """One replica's: the program's state is one set of arrays, replicated by XLA."""
+        return [[0] * len(self.program.variables)]
 
     def workers_values(self, values):
         if self.shard[1] == 1:

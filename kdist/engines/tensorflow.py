@@ -205,9 +205,9 @@ class Engine(contract.Engine):
         return float(self._sum_over_replicas(values)) > 0
 
     def replica_checksums(self):
-        """One per replica: each variable's component on that replica's device."""
+        """Per replica: each variable's component on that replica's device."""
         parts = [getattr(v.value, "values", (v.value,)) for v in self.program.variables]
-        return [tree.checksum([part[i].numpy() for part in parts])
+        return [[tree.checksum([part[i].numpy()]) for part in parts]
                 for i in range(len(parts[0]) if parts else 1)]
 
     def workers_values(self, values):

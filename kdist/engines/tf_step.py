@@ -30,13 +30,24 @@ def assign_updates(context, variables, changed, offsets):
     """Writes what a train step assigned (outside its optimizers), equal on every replica.
 
     Seed states lose their replica's shift (every replica then holds the
-    same advanced state). Float updates (BatchNormalization's moving
-    statistics) move by the mean of the replicas' changes, which for a
-    moving mean is the change the global batch's mean would make. Others
-    are assigned as they are.
+    same advanced state). A variable declared with an `aggregation` moves
+    as one device's would where its update adds up over the rows: "sum" by
+    the sum of the replicas' changes (a running count or sum), "mean" by
+    their mean, "only_first_replica" to the first replica's value. Other
+    float updates (BatchNormalization's moving statistics) move by the mean
+    of the replicas' changes, which for a moving mean is the change the
+    global batch's mean would make; the rest are assigned as they are.
     """
     updated = [(v, changed[id(v)], o) for v, o in zip(variables, offsets) if id(v) in changed]
-    floats = [(v, new) for v, new, o in updated if o is None and v.dtype.startswith("float")]
+    declared = [(v, new) for v, new, o in updated if o is None and _aggregation(v) != "none"]
+    floats = [(v, new) for v, new, o in updated
+              if o is None and _aggregation(v) == "none" and v.dtype.startswith("float")]
+    first = tf.equal(context.replica_id_in_sync_group, 0)
+    for variable, new in declared:  # TensorFlow aggregates what each replica assigns:
+        if _aggregation(variable) == "sum":  # it sums the first replica's new value
+            variable.assign(tf.where(first, new, new - variable.value))  # and the others' changes.
+        else:  # "mean": the mean of the new values; "only_first_replica": the first's.
+            variable.assign(new)
     if floats:
         changes = context.all_reduce(tf.distribute.ReduceOp.MEAN,
                                      [new - v.value for v, new in floats])
@@ -45,8 +56,12 @@ def assign_updates(context, variables, changed, offsets):
     for variable, new, offset in updated:
         if offset is not None:
             variable.assign(new - offset)
-        elif not variable.dtype.startswith("float"):
+        elif _aggregation(variable) == "none" and not variable.dtype.startswith("float"):
             variable.assign(new)
+
+
+def _aggregation(variable):
+    return getattr(variable, "aggregation", None) or "none"
 
 
 @contextlib.contextmanager

@@ -186,20 +186,33 @@ class Engine(contract.Engine):
         # before it carries no gradient to the variables.
         with torch.no_grad():
             stats, scope = self.program.run(Primitives(self), True, batch)
-        changed = scope.changed()
-        updated = [(v, changed[id(v)]) for v in self.program.variables if id(v) in changed]
-        moving = [(v, new) for v, new in updated if _is_float(v)]
         with torch.no_grad():
-            means = self._all_reduce_sum([new / self.num_replicas for _, new in moving])
-            for (variable, _), mean in zip(moving, means):
-                variable.assign(mean)
-            for variable, new in updated:
-                if not _is_float(variable):
-                    variable.assign(new)  # Seed states: the same on every process.
+            self._keep_updates(scope.changed())
         stats = {k: v.detach() for k, v in stats.items()}
         if not self.is_chief:
             stats["skipped"] = torch.zeros_like(stats["skipped"])
         return stats
+
+    def _keep_updates(self, changed):
+        """Writes what a train step assigned outside its optimizers, equal in every
+        process, in one all-reduce: a variable declared with aggregation "sum" moves
+        by the sum of the processes' changes, "only_first_replica" by process 0's;
+        other floats (moving statistics) move to the mean of the new values; the
+        rest (seed states, the same in every process) as assigned."""
+        updated = [(v, changed[id(v)]) for v in self.program.variables if id(v) in changed]
+        kinds = [_aggregation(v) if _aggregation(v) in ("sum", "only_first_replica")
+                 else "mean" if _is_float(v) else None for v, _ in updated]
+        first = self.shard[0] == 0
+        parts = [new / self.num_replicas if kind == "mean" else
+                 (new - v.value) * (1 if kind == "sum" or first else 0)
+                 for (v, new), kind in zip(updated, kinds) if kind]
+        reduced = iter(self._all_reduce_sum(parts))
+        for (variable, new), kind in zip(updated, kinds):
+            if kind is None:
+                variable.assign(new)
+            else:
+                value = next(reduced)
+                variable.assign(value if kind == "mean" else variable.value + value)
 
     def eval_chunk(self, chunk, num_steps):
         """The chunk's first `num_steps` eval steps; returns each step's summed statistics."""
@@ -253,8 +266,8 @@ class Engine(contract.Engine):
 
     def replica_checksums(self):
         """This process's replica."""
-        return [tree.checksum([keras.ops.convert_to_numpy(v.value)
-                               for v in self.program.variables])]
+        return [[tree.checksum([keras.ops.convert_to_numpy(v.value)])
+                 for v in self.program.variables]]
 
     def workers_values(self, values):
         """Every process's `values`: a sum of each one's row, in one all-reduce."""
@@ -279,6 +292,10 @@ class Engine(contract.Engine):
 
     def sync_from_model(self):
         """The steps read the variables themselves: nothing to take back."""
+
+
+def _aggregation(variable):
+    return getattr(variable, "aggregation", None) or "none"
 
 
 def _is_float(variable):

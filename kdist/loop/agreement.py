@@ -57,19 +57,33 @@ def _agree(engine, facts):
                              "start every worker with the same script, flags and data")
 
 
-def check_replicas_equal(engine, epoch):
-    """Raises the same TrainingError on every worker where the replicas' variables
-    differ after `epoch` (1-based): a step changed the averaged gradients with what
-    differs between replicas, and each replica trained its own model."""
-    rows = engine.workers_values(engine.replica_checksums())
-    if len({value for row in rows for value in row}) > 1:
-        raise TrainingError(
-            f"the replicas' weights differ after epoch {epoch}: the step changes the "
-            "averaged gradients with what differs between replicas (a replica's own "
-            "loss value, data, keras.random draws or kdist.random rows), so each replica "
-            "trained another model; change them only with what every replica shares (the "
-            "gradients, the optimizer's step, constants); this epoch's checkpoint is not "
-            "written")
+def check_replicas_equal(engine, epoch, variables):
+    """Raises the same TrainingError on every worker where the replicas' `variables`
+    (the program's) differ after `epoch` (1-based), naming them: a step changed
+    the averaged gradients with what differs between replicas, and each
+    replica trained its own model, or it assigned a variable from its
+    replica's own share of the batch."""
+    local = engine.replica_checksums()
+    width = len(local[0])
+    rows = engine.workers_values([value for replica in local for value in replica])
+    replicas = [row[i:i + width] for row in rows for i in range(0, len(row), width)]
+    differ = [v for j, v in enumerate(variables) if len({r[j] for r in replicas}) > 1]
+    if not differ:
+        return
+    names = ", ".join(repr(v.path) for v in differ[:3]) + (
+        f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+    if any(v.trainable for v in differ):
+        why = ("the step changes the averaged gradients with what differs between replicas "
+               "(a replica's own loss value, data, keras.random draws or kdist.random rows), "
+               "so each replica trained another model; change them only with what every "
+               "replica shares (the gradients, the optimizer's step, constants)")
+    else:
+        why = ("the step assigns them from each replica's own share of the batch; a "
+               "count or a sum of the rows adds up over replicas where the variable is "
+               "declared with aggregation=\"sum\", other values must be the same on every "
+               "replica")
+    raise TrainingError(f"the replicas' variables differ after epoch {epoch} ({names}): "
+                        f"{why}; this epoch's checkpoint is not written")
 
 
 def fingerprint(batch):

@@ -125,7 +125,7 @@ class Run:
         if self.steps is None:  # Its length is known now.
             self.steps = first_step + done
         if self.engine.num_replicas > 1:
-            agreement.check_replicas_equal(self.engine, epoch + 1)
+            agreement.check_replicas_equal(self.engine, epoch + 1, self.step.variables)
         if hint := self.faults.hint():
             log(hint)
         seconds = time.perf_counter() - start if done else None  # None: all trained before.
