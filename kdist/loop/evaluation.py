@@ -14,6 +14,7 @@ from kdist.loop import building
 from kdist.loop.chunks import evaluate_source
 from kdist.loop.result import TrainingResult
 from kdist.models.cnn import create_model
+from kdist.step.optimizer import finalize_weights
 
 
 @hints.library_terms
@@ -26,6 +27,9 @@ def evaluate_checkpoint(
         steps_per_execution: int = TrainConfig.steps_per_execution, *,
         precision: str = TrainConfig.precision, seed: int = TrainConfig.seed) -> dict[str, Any]:
     """Restores `path` into a fresh model with no distribution and evaluates it.
+
+    With an optimizer compiled with `use_ema=True`, the model evaluated holds
+    the optimizer's moving averages, as `fit` ends.
 
     The model is built under dtype policy `precision` (`kdist.precision`):
     a checkpoint of any precision restores into any (its variables are
@@ -47,7 +51,8 @@ def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_s
                                          model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
                                          train=False, precision=precision)
     checkpoints.restore(model, path, hint="evaluate it with the model it was trained with",
-                        optimizers=False)  # Evaluation does not read their state.
+                        optimizers=False)  # Evaluation does not read their state,
+    finalize_weights(model)  # but with use_ema=True the model fit ends with holds its averages.
     if not step.evaluates:
         raise UsageError(f"{type(model).__name__} defines train_step but no test_step; "
                          "define test_step(data) to evaluate it")

@@ -52,9 +52,10 @@ def train_and_evaluate(
             compiled as for `fit` or not (see `build`). The compiled
             optimizer's schedule, clipping and gradient accumulation act
             on the global gradient, as in `fit` on one device; with
-            `use_ema=True` every evaluation (each epoch's, the restored
-            checkpoint's) uses its moving averages of the weights
-            (`kdist.step.optimizer.ema_variables`).
+            `use_ema=True` each epoch's evaluation scores the weights, as
+            `fit` validates, and training ends with the moving averages in
+            the model (the model in hand, the restored checkpoint's
+            evaluation: `kdist.step.optimizer.finalize_weights`).
         optimizer_fn: for an uncompiled model: learning rate -> Keras
             optimizer (default Adam).
         loss_fn: for an uncompiled model: (y_true, y_pred) -> per-example

@@ -4,9 +4,10 @@ It is what `fit` computes: the compiled loss (or your own, `compute_loss=fn`),
 the model's losses (regularizers, `add_loss`), the compiled metrics, the
 optimizer's loss scaling (`optimizer.scale_loss`, as `fit` applies it: a
 `LossScaleOptimizer` under mixed_float16, or `loss_scale_factor`), the results
-`model.compute_metrics` returns (its override, if the model has one), and, in
-evaluation, the optimizer's moving averages of the weights if it keeps them
-(`kdist.step.optimizer.ema_variables`), as `fit` leaves the model at its end.
+`model.compute_metrics` returns (its override, if the model has one). An
+evaluation scores the model's weights, as `fit`'s validation does, also with
+`use_ema=True` (the moving averages replace the weights at the end of
+training: `kdist.step.optimizer.finalize_weights`).
 `kdist.step.program.Program` runs these two functions for such a model as
 it runs a model's own `train_step` and `test_step`.
 
@@ -19,7 +20,6 @@ With your own loss, `fn(model, x, y, training) ->
 batch's rows + the model's losses.
 """
 
-import contextlib
 
 import keras
 import numpy as np
@@ -29,8 +29,6 @@ from keras.src.backend import get_keras_mask, set_keras_mask  # A prediction's m
 from kdist import tree
 from kdist.errors import UsageError
 from kdist.step import api
-from kdist.step.context import substituted
-from kdist.step.optimizer import ema_variables
 from kdist.tree import leaves as data_leaves
 
 
@@ -51,11 +49,7 @@ def train_step(model, data, compute_loss=None):
 def test_step(model, data, compute_loss=None):
     """The loss and metrics of `data` in inference mode."""
     x, y, weight = keras.utils.unpack_x_y_sample_weight(data)
-    trainable = model.trainable_variables
-    averages = ema_variables(model.optimizer, trainable)
-    with (substituted(list(zip(trainable, [a.value for a in averages])))
-          if averages is not None else contextlib.nullcontext()):
-        loss, y_pred = _loss(model, x, y, weight, False, compute_loss)
+    loss, y_pred = _loss(model, x, y, weight, False, compute_loss)
     return _logs(model, loss, model.compute_metrics(x, y, y_pred, weight))
 
 

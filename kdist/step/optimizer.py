@@ -38,15 +38,14 @@ def ema_variables(optimizer, variables):
     """The optimizer's moving averages of `variables`, or None without `use_ema`.
 
     An optimizer compiled with `use_ema=True` keeps an exponential moving
-    average of every weight as an optimizer variable; Keras' `fit` ends by
-    copying them into the model (`optimizer.finalize_variable_values`).
-    kdist's engines evaluate with them in place of the trainable weights
-    (`kdist.engines.contract.Engine.eval_chunk`), so every evaluation, per
-    epoch and of a restored checkpoint, scores the averaged model, while
-    training continues from the weights themselves. A checkpoint holds both:
-    the weights as the model's, the averages with the optimizer's variables.
-    The averages hold zeros until the first train step (Keras' initial
-    value), so a model that never trained evaluates with zero trainable weights.
+    average of every weight as an optimizer variable; Keras' `fit` validates
+    each epoch with the weights and ends by copying the averages into the
+    model (`optimizer.finalize_variable_values`), and so does kdist
+    (`finalize_weights`: the model in hand, and a restored checkpoint's
+    evaluation). A checkpoint holds both: the weights as the model's, the
+    averages with the optimizer's variables. The averages hold zeros until
+    the first train step (Keras' initial value), so a model that never
+    trained ends with zero trainable weights, as with `fit`.
     """
     optimizer = inner_optimizer(optimizer)  # A LossScaleOptimizer's inner one keeps them.
     if optimizer is None or not getattr(optimizer, "use_ema", False):
@@ -58,7 +57,7 @@ def ema_variables(optimizer, variables):
 def finalize_weights(model):
     """Ends training as `fit` does (`optimizer.finalize_variable_values`): with
     `use_ema=True` the model's trainable weights take the optimizer's moving
-    averages, so the model in hand is the one every evaluation scored."""
+    averages (the model in hand, and a restored checkpoint's evaluation)."""
     trainable = model.trainable_weights
     averages = ema_variables(getattr(model, "optimizer", None), trainable)
     for variable, average in zip(trainable, averages or ()):
