@@ -18,7 +18,7 @@ class TrainingResult:
             restore_best_weights=True)` leaves the best ones, as in `fit`;
             with `use_ema=True` the optimizer's moving averages, as `fit`
             ends), ready for `predict`, `save` and `export`. Its optimizer's state
-            is in the checkpoints, not here.
+            and its random seed states are in the checkpoints, not here.
         history: per Keras name, a list of one value per epoch, as
             `keras.callbacks.History().history`: "loss" and each metric on
             the training data, "val_loss" and "val_" each metric on the test
