@@ -112,8 +112,25 @@ class _ReturnsVector(_Assigns):
         return {"logits": self.dense(keras.ops.reshape(data[0], (-1, 784)))}
 
 
+class _InnerOptimizer(_Assigns):
+    """A step that unscales by hand and applies a LossScaleOptimizer's inner optimizer."""
+
+    def __init__(self):
+        super().__init__()
+        self.scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+
+    def train_step(self, data):
+        variables = self.dense.trainable_variables
+        loss, grads = kdist.value_and_grad(lambda: self.scaled.scale_loss(keras.ops.mean(
+            self.dense(keras.ops.reshape(data[0], (-1, 784))))), variables)
+        unscaled = [g / self.scaled.scale_loss(1.0) for g in grads]
+        self.scaled.inner_optimizer.apply(unscaled, variables)
+        return {"loss": loss}
+
+
 @pytest.mark.parametrize("model_class, message", [
     (_Assigns, "assigns '.*kernel' itself"),
+    (_InnerOptimizer, r"applies the inner optimizer \(SGD\) of the model's LossScaleOptimizer"),
     (_WrongGradient, "reads none of the variables"),
     (_ReturnsVector, "returns 'logits' of shape"),
     (_BackendOp, r"the train_step calls (tensorflow|jax|torch)\S* \(.*test_examples.py:\d+\)"),

@@ -122,16 +122,27 @@ def _not_held(optimizer, where):
 
 
 @contextlib.contextmanager
-def refusing_unknown():
+def refusing_unknown(held=()):
     """Makes an optimizer that kdist neither routes nor refuses (one the model does
     not hold: a module's global, a closure's) raise `UsageError` when a step
     applies it, while this is open (the building run). Keras' own calls from
-    within a routed `apply` (a `LossScaleOptimizer`'s inner optimizer) pass."""
+    within a routed `apply` (a `LossScaleOptimizer`'s inner optimizer) pass;
+    the step's own call of the inner optimizer of one of `held` (the model's
+    optimizers) is refused with the ways to apply it."""
     keras_apply = BaseOptimizer.apply
+    wrapped = {id(o.inner_optimizer) for o in held
+               if isinstance(o, keras.optimizers.LossScaleOptimizer)}
 
     def apply(optimizer, grads, trainable_variables=None):
         context = step_context.active_or_none()
         if context is not None and not context.applying:
+            if id(optimizer) in wrapped:
+                raise UsageError(
+                    f"the step applies the inner optimizer ({type(optimizer).__name__}) of "
+                    "the model's LossScaleOptimizer, which kdist does not find there: apply "
+                    "the LossScaleOptimizer (it unscales the gradients and skips a "
+                    "non-finite step), or hold the inner one as an attribute of the model "
+                    "too and unscale and skip yourself")
             raise UsageError(_not_held(optimizer, "that the model does not hold"))
         return keras_apply(optimizer, grads, trainable_variables)
 

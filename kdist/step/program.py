@@ -145,7 +145,7 @@ class Program:
             with engine.scope():
                 tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
                 watch: Any = portable.watching() if own else contextlib.nullcontext([])
-                with watch as calls, step_optimizer.refusing_unknown():
+                with watch as calls, step_optimizer.refusing_unknown(self.optimizers):
                     logs, _ = self._call(context, phase, tensors + ((),))
             if calls:
                 function, path, line = calls[0]
