@@ -131,7 +131,7 @@ def refusing_unknown(held=()):
     optimizers) is refused with the ways to apply it."""
     keras_apply = BaseOptimizer.apply
     wrapped = {id(o.inner_optimizer) for o in held
-               if isinstance(o, keras.optimizers.LossScaleOptimizer)}
+               if isinstance(o, keras.optimizers.LossScaleOptimizer)} - {id(o) for o in held}
 
     def apply(optimizer, grads, trainable_variables=None):
         context = step_context.active_or_none()
