@@ -39,12 +39,12 @@ def assign_updates(context, variables, changed, offsets):
     global batch's mean would make; the rest are assigned as they are.
     """
     updated = [(v, changed[id(v)], o) for v, o in zip(variables, offsets) if id(v) in changed]
-    declared = [(v, new) for v, new, o in updated if o is None and _aggregation(v) != "none"]
+    declared = [(v, new) for v, new, o in updated if o is None and v.aggregation != "none"]
     floats = [(v, new) for v, new, o in updated
-              if o is None and _aggregation(v) == "none" and v.dtype.startswith("float")]
+              if o is None and v.aggregation == "none" and v.dtype.startswith("float")]
     first = tf.equal(context.replica_id_in_sync_group, 0)
     for variable, new in declared:  # TensorFlow aggregates what each replica assigns:
-        if _aggregation(variable) == "sum":  # it sums the first replica's new value
+        if variable.aggregation == "sum":  # it sums the first replica's new value
             variable.assign(tf.where(first, new, new - variable.value))  # and the others' changes.
         else:  # "mean": the mean of the new values; "only_first_replica": the first's.
             variable.assign(new)
@@ -56,12 +56,8 @@ def assign_updates(context, variables, changed, offsets):
     for variable, new, offset in updated:
         if offset is not None:
             variable.assign(new - offset)
-        elif _aggregation(variable) == "none" and not variable.dtype.startswith("float"):
+        elif variable.aggregation == "none" and not variable.dtype.startswith("float"):
             variable.assign(new)
-
-
-def _aggregation(variable):
-    return getattr(variable, "aggregation", None) or "none"
 
 
 @contextlib.contextmanager

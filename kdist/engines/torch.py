@@ -200,7 +200,7 @@ class Engine(contract.Engine):
         other floats (moving statistics) move to the mean of the new values; the
         rest (seed states, the same in every process) as assigned."""
         updated = [(v, changed[id(v)]) for v in self.program.variables if id(v) in changed]
-        kinds = [_aggregation(v) if _aggregation(v) in ("sum", "only_first_replica")
+        kinds = [v.aggregation if v.aggregation in ("sum", "only_first_replica")
                  else "mean" if _is_float(v) else None for v, _ in updated]
         first = self.shard[0] == 0
         parts = [new / self.num_replicas if kind == "mean" else
@@ -292,10 +292,6 @@ class Engine(contract.Engine):
 
     def sync_from_model(self):
         """The steps read the variables themselves: nothing to take back."""
-
-
-def _aggregation(variable):
-    return getattr(variable, "aggregation", None) or "none"
 
 
 def _is_float(variable):
