@@ -20,7 +20,6 @@ With your own loss, `fn(model, x, y, training) ->
 batch's rows + the model's losses.
 """
 
-
 import keras
 import numpy as np
 from keras import ops
