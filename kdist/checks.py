@@ -47,7 +47,8 @@ def check_config(config):
     check_positive(config.checkpoint_every_minutes, "checkpoint_every_minutes", kind=float,
                    optional=True)
     check_seed(config.seed)
-    check_precision(config.precision)
+    if config.precision is not None:
+        check_precision(config.precision)
 
 
 def metrics_csv_path(path):

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from kdist import checks
-from kdist.precision import DEFAULT_PRECISION, PRECISIONS
+from kdist.precision import PRECISIONS
 
 if TYPE_CHECKING:
     import keras
@@ -71,10 +71,12 @@ class TrainConfig:
     steps_per_execution: int = _setting(
         8, "train steps run per chunk (TensorFlow: one compiled call); statistics come "
         "back once per chunk")
-    precision: str = _setting(
-        DEFAULT_PRECISION, "the Keras dtype policy the model is built under: float32, or "
-        "layers computing in bfloat16 or float16 with float32 variables (mixed_float16 "
-        "adds dynamic loss scaling); a layer created with its own dtype keeps it",
+    precision: str | None = _setting(
+        None, "the Keras dtype policy the model is built under: float32; mixed_bfloat16 or "
+        "mixed_float16, layers computing in bfloat16 or float16 with float32 variables "
+        "(mixed_float16 adds dynamic loss scaling); default: Keras' global policy, as "
+        "keras.config.set_dtype_policy or set_floatx left it (float32 unless changed); a "
+        "layer created with its own dtype keeps it",
         choices=PRECISIONS)
     metrics_file: str | None = _setting(
         None, "write one JSON object per epoch (and one for the restored model) to this file, "

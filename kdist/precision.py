@@ -1,8 +1,10 @@
 """Mixed precision: the Keras dtype policy a run's model is built under.
 
-`--precision` (`TrainConfig.precision`) names a Keras dtype policy:
+`--precision` (`TrainConfig.precision`) names a Keras dtype policy, or none:
 
-- "float32": everything in float32 (the default).
+- None (the default): Keras' global policy as the caller left it (float32
+  unless changed with `keras.config.set_dtype_policy` or `set_floatx`).
+- "float32": everything in float32.
 - "mixed_bfloat16": layers compute in bfloat16, their variables stay float32.
 - "mixed_float16": layers compute in float16, variables stay float32, and
   Keras' `compile` wraps the optimizer in a `keras.optimizers.LossScaleOptimizer`
@@ -24,7 +26,7 @@ import contextlib
 from kdist.errors import UsageError
 
 PRECISIONS = ("float32", "mixed_bfloat16", "mixed_float16")  # --precision's choices.
-DEFAULT_PRECISION = PRECISIONS[0]
+DEFAULT_PRECISION = PRECISIONS[0]  # kdist-bench's.
 
 
 def check_precision(precision, name="precision"):

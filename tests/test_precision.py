@@ -16,6 +16,7 @@ import pytest
 from keras import ops
 from test_training import checkpoint_arrays
 
+import kdist
 from kdist import checkpoints, config, engines, tree
 from kdist.bench.measure import format_table
 from kdist.cli import flags
@@ -26,6 +27,7 @@ from kdist.loop import building, chunks, reporting, training
 from kdist.models.cnn import create_model
 from kdist.records import EpochRecord
 
+BACKEND = keras.backend.backend()
 UNIT_ROUNDOFF = {"mixed_bfloat16": 2.0 ** -8, "mixed_float16": 2.0 ** -11}
 COMPUTE_DTYPE = {"float32": "float32", "mixed_bfloat16": "bfloat16",
                  "mixed_float16": "float16"}
@@ -172,13 +174,55 @@ def test_precision_is_checked_as_a_setting_and_a_flag(tmp_path):
         training.TrainConfig(precision="float16")
     args = train_cli.train_parser().parse_args(["--precision", "mixed_bfloat16"])
     assert flags.config_from_args(args).precision == "mixed_bfloat16"
-    assert train_cli.train_parser().parse_args([]).precision == "float32"
+    assert train_cli.train_parser().parse_args([]).precision is None  # Keras' global policy.
     with pytest.raises(SystemExit):
         train_cli.train_parser().parse_args(["--precision", "bfloat16"])
     bench_flag = flags.names(config.PRECISIONS)  # kdist-bench --precision
     assert bench_flag("float32,mixed_bfloat16,float32") == ("float32", "mixed_bfloat16")
     with pytest.raises(Exception, match="expected one or more of"):
         bench_flag("float32,fp8")
+
+
+class Scale(keras.layers.Layer):
+    """x times a weight, element by element: float64 through and through on every
+    backend (Keras' torch matmul returns float32 for float64 operands)."""
+
+    def build(self, shape):
+        self.w = self.add_weight(shape=shape[1:], initializer="ones")
+
+    def call(self, x):
+        return x * self.w
+
+
+def scaling_model():
+    model = keras.Sequential([keras.Input((4,)), Scale()])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="JAX computes in float64 only where "
+                    "JAX_ENABLE_X64 was set before it started (its own rule)")
+def test_the_callers_float64_policy_trains_two_replicas_as_one_to_float64s_precision(
+        tmp_path):
+    # No precision= given: the model is built under the caller's global policy, also
+    # in torch's replica processes, and their gradients are summed in float64.
+    x = np.random.default_rng(1).normal(size=(64, 4))
+    y = 3 * x + np.random.default_rng(2).normal(size=(64, 4))
+    keras.config.set_floatx("float64")
+    keras.config.set_dtype_policy("float64")
+    try:
+        weights = [kdist.train_and_evaluate(
+            kdist.TrainConfig(epochs=2, batch_size_per_replica=16 // replicas,
+                              replicas=replicas, checkpoint_dir=str(tmp_path / str(replicas))),
+            kdist.Inputs(train=(x, y), test=(x, y)), model_fn=scaling_model,
+            log=lambda line: None).model.get_weights()[0] for replicas in (1, 2)]
+    finally:
+        keras.config.set_floatx("float32")
+        keras.config.set_dtype_policy("float32")
+    assert [w.dtype for w in weights] == [np.float64, np.float64]
+    assert np.abs(weights[0] - 1).min() > 0.1  # Trained.
+    # Summed in float32, the two differ by 9e-9 on torch.
+    np.testing.assert_allclose(weights[1], weights[0], rtol=0, atol=1e-13)
 
 
 # N replicas against 1.

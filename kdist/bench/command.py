@@ -3,7 +3,7 @@
 import argparse
 import importlib.util
 
-from kdist import config, errors
+from kdist import errors, precision
 from kdist.bench import choices
 from kdist.cli import common
 from kdist.cli.flags import add_config_flags, command_name, names, positive
@@ -22,10 +22,10 @@ def main(argv=None):
     parser.add_argument("--windows", type=positive(int), default=choices.WINDOWS,
                         help="steady epochs timed after the first; their median counts "
                              "(default: %(default)s)")
-    parser.add_argument("--precision", type=names(config.PRECISIONS),
-                        default=(config.DEFAULT_PRECISION,), metavar="P[,P...]",
+    parser.add_argument("--precision", type=names(precision.PRECISIONS),
+                        default=(precision.DEFAULT_PRECISION,), metavar="P[,P...]",
                         help="the dtype policies to measure, each one table row: "
-                             f"{', '.join(config.PRECISIONS)}, or several separated by "
+                             f"{', '.join(precision.PRECISIONS)}, or several separated by "
                              "commas (default: float32)")
     _add_bench_choices(parser)
     common.add_data_flags(parser, checkpoints=False)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from kdist import tree
 from kdist.engines import contract
-from kdist.engines.torch_step import Primitives
+from kdist.engines.torch_step import Primitives, all_reduce_sum
 from kdist.errors import ReplicaPerProcess, UsageError
 from kdist.tree import map_arrays as _map_arrays
 from kdist.workers import processes
@@ -240,16 +240,8 @@ class Engine(contract.Engine):
         return {k: v.cpu().numpy() for k, v in zip(keys, stacked)}
 
     def _all_reduce_sum(self, tensors):
-        """`tensors` summed over the processes: one all-reduce of a flat buffer."""
-        if not self._group or not tensors:
-            return list(tensors)
-        flat = torch.cat([t.reshape(-1).to(torch.float32) for t in tensors])
-        dist.all_reduce(flat)
-        out, start = [], 0
-        for t in tensors:
-            out.append(flat[start:start + t.numel()].reshape(t.shape).to(t.dtype))
-            start += t.numel()
-        return out
+        """`tensors` summed over the processes (`torch_step.all_reduce_sum`)."""
+        return all_reduce_sum(tensors) if self._group else list(tensors)
 
     def compiled_train_programs(self):
         """Steps run eagerly: the one train step function serves every chunk."""

@@ -1,7 +1,9 @@
 """What runs inside the torch engine's step: the step primitives (autograd, one
-all-reduce of the gradients per call, optimizers in place)."""
+all-reduce of the gradients per call, optimizers in place), and the sum over the
+process group that its all-reduces use."""
 
 import torch
+import torch.distributed as dist
 
 from kdist.step import context as step_context
 from kdist.step.context import current_scope, loss_of
@@ -59,3 +61,29 @@ class Primitives(step_context.Primitives):
     def apply(self, context, optimizer, apply, grads, variables):
         with context.optimizer_applying(), torch.no_grad():
             return apply(grads, variables)
+
+
+def all_reduce_sum(tensors):
+    """`tensors` summed over the process group: one all-reduce of a flat buffer
+    per dtype they are summed in. float64 and int64 are summed as themselves,
+    other ints as int64 and other floats (bfloat16, float16) as float32, so
+    no sum is rounded below its tensors' precision."""
+    groups: dict = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(_summed_dtype(t.dtype), []).append(i)
+    out = list(tensors)
+    for dtype, indices in groups.items():
+        flat = torch.cat([tensors[i].reshape(-1).to(dtype) for i in indices])
+        dist.all_reduce(flat)
+        start = 0
+        for i in indices:
+            t = tensors[i]
+            out[i] = flat[start:start + t.numel()].reshape(t.shape).to(t.dtype)
+            start += t.numel()
+    return out
+
+
+def _summed_dtype(dtype):
+    if dtype == torch.float64:
+        return dtype
+    return torch.float32 if dtype.is_floating_point else torch.int64

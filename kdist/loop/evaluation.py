@@ -25,15 +25,16 @@ def evaluate_checkpoint(
         compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
         batch_size: int = TrainConfig.batch_size_per_replica,
         steps_per_execution: int = TrainConfig.steps_per_execution, *,
-        precision: str = TrainConfig.precision, seed: int = TrainConfig.seed) -> dict[str, Any]:
+        precision: str | None = TrainConfig.precision,
+        seed: int = TrainConfig.seed) -> dict[str, Any]:
     """Restores `path` into a fresh model with no distribution and evaluates it.
 
     With an optimizer compiled with `use_ema=True`, the model evaluated holds
     the optimizer's moving averages, as `fit` ends.
 
-    The model is built under dtype policy `precision` (`kdist.precision`):
-    a checkpoint of any precision restores into any (its variables are
-    float32). `dataset` is a `kdist.Dataset` or a `kdist.Inputs` (only its
+    The model is built under dtype policy `precision` (`kdist.precision`;
+    None: Keras' global policy): a checkpoint of any precision restores into
+    any (its variables are float32). `dataset` is a `kdist.Dataset` or a `kdist.Inputs` (only its
     test data is read). `seed` is the run's: a test step's `kdist.random`
     draws come from it, as in each epoch's evaluation. Returns {"restored":
     True, "checkpoint": path, "test_loss": ..., and test_ each metric}.

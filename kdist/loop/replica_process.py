@@ -43,8 +43,14 @@ def replica_main():
             with open(payload, "rb") as f:
                 sys.path[:] = pickle.load(f)
                 warnings.showwarning = pickle.load(f)
+                settings = pickle.load(f)
                 fn, kwargs = pickle.load(f)
-            from kdist import engines  # Loads Keras and the backend.
+            import keras  # And the backend.
+
+            from kdist import engines
+
+            for name, value in settings.items():  # The parent's, in its order.
+                getattr(keras.config, f"set_{name}")(value)
 
             with cluster.connect_deadline(spec, remedy=_SLOW_START):
                 engines.connect(spec)

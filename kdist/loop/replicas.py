@@ -8,7 +8,9 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
 - each process is a fresh interpreter (`python -c`, this one's, in its own
   session, so signals reach it only through the parent); it imports no
   script of the caller's: the function and its arguments travel pickled by
-  cloudpickle, which also takes lambdas and functions of a script's own;
+  cloudpickle, which also takes lambdas and functions of a script's own,
+  and Keras' global settings go with them (`keras_settings`: floatx, the
+  dtype policy);
 - it joins a process group on a free loopback port (the engine's
   `connect`), runs the function with the same arguments and sends its
   outcome back through a pipe; the chief's log lines go to the caller's
@@ -97,6 +99,7 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
         with open(payload, "wb") as f:
             pickle.dump(sys.path, f)  # The caller's modules, importable in every process.
             f.write(cloudpickle.dumps(warnings.showwarning))  # How it shows warnings.
+            pickle.dump(keras_settings(), f)
             f.write(call)
         address = f"127.0.0.1:{free_ports(1)[0]}"
         for rank in range(num_replicas):
@@ -109,6 +112,18 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     finally:
         _kill(processes)
         shutil.rmtree(folder, ignore_errors=True)  # kdist's own temporary folder.
+
+
+def keras_settings():
+    """Keras' global settings in this process, which a fresh interpreter lacks:
+    {name: value} for each `keras.config.set_<name>` (floatx, the dtype
+    policy, epsilon, the image data format); {} before Keras is imported."""
+    keras = sys.modules.get("keras")
+    if keras is None:
+        return {}
+    config = keras.config
+    return {"floatx": config.floatx(), "dtype_policy": config.dtype_policy().name,
+            "epsilon": config.epsilon(), "image_data_format": config.image_data_format()}
 
 
 def _check_memory(num_replicas, meminfo="/proc/meminfo"):

@@ -23,6 +23,7 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
     `config.steps_per_execution` the Batch line says so.
     """
     devices = ", ".join(str(d).split("device:")[-1] for d in engine.devices)
+    precision = config.precision or keras.config.dtype_policy().name  # None: Keras' global.
     workers, local = engine.shard[1], global_batch // engine.shard[1]
     # The processes `kdist.loop.replicas` starts are one machine's replicas, not workers.
     replica_processes = os.environ.get(REPLICA_PROCESSES_VARIABLE) == "1"
@@ -42,10 +43,9 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
         f"Data: {dataset.source} ({_examples(dataset, 'train')} train, "
         f"{_examples(dataset, 'test')} test examples)",
         f"Checkpoints: {os.path.abspath(config.checkpoint_dir)}, {checkpoint_note}",
-    ] + ([f"Precision: {config.precision}" + (
-        " (dynamic loss scaling)"
-        if config.precision == "mixed_float16" else "")]
-         if config.precision != "float32" else []))
+    ] + ([f"Precision: {precision}" + (
+        " (dynamic loss scaling)" if precision == "mixed_float16" else "")]
+         if precision != "float32" else []))
 
 
 def _count(number, noun):
