@@ -38,7 +38,7 @@ class DenseAddLoss(keras.layers.Dense):
         return outputs
 
 
-def regularized_classifier():
+def regularized_classifier(metrics=("accuracy",)):
     inputs = keras.Input((8,))
     hidden = DenseAddLoss(16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.05),
                           activity_regularizer=keras.regularizers.L1(0.01))(inputs)
@@ -46,7 +46,7 @@ def regularized_classifier():
     model = keras.Model(inputs, logits)
     model.compile(optimizer=keras.optimizers.SGD(0.5),
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+                  metrics=list(metrics))
     return model
 
 
@@ -295,26 +295,46 @@ def test_your_own_loss_trains_as_keras_compute_loss_does_in_fit(replicas):
     assert_close(model.get_weights(), reference.get_weights(), 1e-6)
 
 
+class TopLogit(keras.metrics.Mean):
+    """The mean of the largest logit, made without a name: Keras names it
+    `top_logit`, and each one made after it `top_logit_1`, `top_logit_2`..."""
+
+    def __init__(self):
+        super().__init__(name=None)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        return super().update_state(ops.max(y_pred, axis=-1), sample_weight)
+
+
 @pytest.mark.parametrize("replicas", sorted({1, SEVERAL}))
 def test_a_whole_run_ends_where_fit_ends_on_the_same_batches(replicas, tmp_path):
     """Three epochs of `train_and_evaluate` (chunks of 4 steps, the last one
     short) against `fit`, one call per epoch on kdist's batches of that epoch
     in kdist's order (a permutation of (seed, epoch), full batches only): the
-    whole loop, not one step, equals `fit` epoch by epoch."""
+    whole loop, not one step, equals `fit` epoch by epoch. A metric made
+    without a name has one name in the history, the restored evaluation and
+    the model in hand (each model kdist builds names it alike)."""
     x, y = classification_data(1000, seed=4)  # 15 global batches of 64, 40 rows left over.
     test_x, test_y = classification_data(301, seed=5)
     seed, epochs, built = 3, 3, []
 
     def model_fn():
-        model = regularized_classifier()
+        model = regularized_classifier(["accuracy", TopLogit()])
         built.append([np.array(w) for w in model.get_weights()])
         return model
 
     config = kdist.TrainConfig(epochs=epochs, seed=seed, replicas=replicas,
                                batch_size_per_replica=BATCH // replicas,
                                steps_per_execution=4, checkpoint_dir=str(tmp_path))
-    history = kdist.train_and_evaluate(config, kdist.Dataset(x, y, test_x, test_y, "toy"),
-                                       model_fn=model_fn, log=lambda line: None).epochs
+    result = kdist.train_and_evaluate(config, kdist.Dataset(x, y, test_x, test_y, "toy"),
+                                      model_fn=model_fn, log=lambda line: None)
+    history = result.epochs
+    names = {key for key in result.history if not key.startswith("val_")}
+    assert len(names) == 3 and {"loss", "accuracy"} < names  # And top_logit(_N).
+    assert set(result.history) == names | {f"val_{name}" for name in names}
+    assert {key for key in result.restored if key.startswith("test_")} == {
+        f"test_{name}" for name in names}  # Not a test_top_logit_1 of a history's top_logit.
+    assert set(result.model.evaluate(test_x, test_y, verbose=0, return_dict=True)) == names
     reference = on_keras(regularized_classifier, built[0])
     rows = base.steps_per_epoch(len(x), BATCH) * BATCH
     for epoch, ours in enumerate(history):

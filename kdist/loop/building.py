@@ -7,8 +7,12 @@ compile, and `sample_rows` gives the few rows that build the compiled loss
 and metrics.
 """
 
+import collections
+import contextlib
+
 import keras
 import numpy as np
+from keras.src.backend.common import global_state  # Keras' counters of automatic names.
 
 from kdist import tree
 from kdist.config import DEFAULT_LEARNING_RATE, adam
@@ -23,7 +27,7 @@ from kdist.step.compiled import build_metrics
 
 
 def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
-          compute_loss=None, sample=None, train=True, precision=None):
+          compute_loss=None, sample=None, train=True, precision=None, names=None):
     """Creates the compiled model in the engine's scope; returns (model, optimizer).
 
     `precision` (`kdist.precision.PRECISIONS`; None: Keras' global policy as
@@ -31,7 +35,10 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     and it is compiled, then the caller's policy is back. Under
     mixed_float16, Keras' `compile` wraps the optimizer in a
     `LossScaleOptimizer` (dynamic loss scaling), for a model kdist compiles
-    and for one `model_fn` compiles alike.
+    and for one `model_fn` compiles alike. `names` (`object_names()`, taken
+    once per run): Keras names the objects `model_fn` makes without a name
+    from these counters, so every model a run builds names its metrics alike
+    (`auc`, not `auc` then `auc_1`).
 
     A model that `model_fn` returns compiled (optimizer, loss, metrics, as
     for `fit`) is used as it is. An uncompiled one is compiled here with
@@ -43,7 +50,7 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     state with the weights. `sample`, a few (x, y) rows, builds the
     compiled loss and metrics (`kdist.step.build`).
     """
-    with engine.scope(), policy(precision):
+    with engine.scope(), policy(precision), _names_from(names):
         model = model_fn()
         _refuse_outside_scope(engine, model)
         if program.defines(model, "train_step"):  # The model's own step.
@@ -92,9 +99,39 @@ def _refuse_outside_scope(engine, model):
                 "variables; create it inside model_fn")
 
 
+def object_names():
+    """A copy of Keras' counters of automatic object names as they are now: what
+    `build(names=...)` starts from."""
+    return dict(_name_counters())
+
+
+@contextlib.contextmanager
+def _names_from(start):
+    """Keras' name counters at `start` inside the block (None: as they are); after
+    it, each counter at the larger of its value before and after the block, so
+    objects named later stay apart from those named before it."""
+    if start is None:
+        yield
+        return
+    counters = _name_counters()
+    before = dict(counters)
+    counters.clear()
+    counters.update(start)
+    try:
+        yield
+    finally:
+        for name, count in before.items():
+            counters[name] = max(counters[name], count)
+
+
+def _name_counters():
+    return global_state.get_global_attribute(
+        "object_name_uids", default=collections.defaultdict(int), set_to_default=True)
+
+
 def prepare_model(engine, global_batch_size, sample, model_fn=create_model, optimizer_fn=None,
                   learning_rate=None, loss_fn=None, compute_loss=None, train=True,
-                  precision=None):
+                  precision=None, names=None):
     """`build`, then the model's built `kdist.step.program.Program`: returns
     (model, program).
 
@@ -103,7 +140,7 @@ def prepare_model(engine, global_batch_size, sample, model_fn=create_model, opti
     take the variables' values when it compiles.
     """
     model, _ = build(engine, model_fn, optimizer_fn, learning_rate, loss_fn,
-                     compute_loss, sample=sample, train=train, precision=precision)
+                     compute_loss, sample=sample, train=train, precision=precision, names=names)
     steps = program.Program(model, compute_loss, train=train)
     steps.build(engine, sample)
     return model, steps

@@ -44,13 +44,14 @@ def evaluate_checkpoint(
 
 
 def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
-                         steps_per_execution, *, precision, seed):
-    """`evaluate_checkpoint`, returning (the restored model, its results)."""
+                         steps_per_execution, *, precision, seed, names=None):
+    """`evaluate_checkpoint`, returning (the restored model, its results); `names`:
+    Keras' name counters of the run (`kdist.loop.building.object_names`)."""
     prepared = sources.prepare(dataset, splits=("test",))
     engine = engines.create_engine(distributed=False)
     model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
                                          model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
-                                         train=False, precision=precision)
+                                         train=False, precision=precision, names=names)
     checkpoints.restore(model, path, hint="evaluate it with the model it was trained with",
                         optimizers=False)  # Evaluation does not read their state,
     finalize_weights(model)  # but with use_ema=True the model fit ends with holds its averages.
@@ -67,15 +68,17 @@ def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_s
 
 def model_in_hand(result: TrainingResult, prepared: base.Prepared,
                   model_fn: Callable[[], keras.Model], loss_fn: Any, compute_loss: Any,
-                  config: TrainConfig) -> TrainingResult:
+                  config: TrainConfig, names: dict | None = None) -> TrainingResult:
     """`result` with its model: built by `model_fn` with no distribution (unless the
-    restored evaluation built it already), holding `result.weights`."""
+    restored evaluation built it already), holding `result.weights`; `names` as
+    `restore_and_evaluate`'s."""
     if result.model is not None:
         result.model.set_weights(result.weights)
         return dataclasses.replace(result, weights=None)
     engine = engines.create_engine(distributed=False)
     model, _ = building.prepare_model(
         engine, config.batch_size_per_replica, building.sample_rows(prepared), model_fn,
-        loss_fn=loss_fn, compute_loss=compute_loss, train=False, precision=config.precision)
+        loss_fn=loss_fn, compute_loss=compute_loss, train=False, precision=config.precision,
+        names=names)
     model.set_weights(result.weights)
     return dataclasses.replace(result, model=model, weights=None)

@@ -28,8 +28,9 @@ from kdist.step import draws
 class Run:
     """One training run's engine, model, step, checkpoints and starting position."""
 
-    def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss):
-        self.config, self.dataset = config, dataset
+    def __init__(self, config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss,
+                 names=None):
+        self.config, self.dataset, self.names = config, dataset, names
         self.model_fn, self.loss_fn, self.compute_loss = model_fn, loss_fn, compute_loss
         self.engine = engines.create_engine(config.replicas)
         self.global_batch = config.batch_size_per_replica * self.engine.num_replicas
@@ -58,7 +59,7 @@ class Run:
             self.model, self.step = building.prepare_model(
                 self.engine, self.global_batch, sample, model_fn,
                 optimizer_fn, config.learning_rate, loss_fn, compute_loss,
-                precision=config.precision)
+                precision=config.precision, names=names)
             # Whether the optimizer may skip steps: the epoch lines then count them.
             self.dynamic_loss_scale = any(isinstance(o, keras.optimizers.LossScaleOptimizer)
                                           for o in self.step.optimizers)

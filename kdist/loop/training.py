@@ -22,7 +22,7 @@ from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (impor
 from kdist.engines import joining
 from kdist.errors import Interrupted, TrainingError, WorkerLost  # noqa: F401 (importable here)
 from kdist.inputs import arrays, base, sources
-from kdist.loop import hooks, replicas, reporting, tensorboard
+from kdist.loop import building, hooks, replicas, reporting, tensorboard
 from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
 from kdist.loop.result import TrainingResult, epoch_logs, keras_history
 from kdist.loop.run import Run
@@ -85,6 +85,7 @@ def train_and_evaluate(
     checks.check_config(config)
     hooks.check_callbacks(callbacks)
     joining.join_from_environment()  # Several workers: a script under a cluster's launcher.
+    names = building.object_names()  # Every model this run builds names its objects alike.
     with interrupt.stop_of_run(stop, engines.connected()) as stop:
         processes = engines.replica_processes(config.replicas)
         prepared = sources.prepare(dataset)
@@ -95,7 +96,8 @@ def train_and_evaluate(
                 log=log, stop=stop)
         else:
             with _workers_lost(config):
-                run = Run(config, prepared, model_fn, optimizer_fn, loss_fn, compute_loss)
+                run = Run(config, prepared, model_fn, optimizer_fn, loss_fn, compute_loss,
+                          names)
                 try:
                     result = _train(run, log, interrupt.AgreedStop(stop, run.engine), callbacks)
                 except BaseException:
@@ -107,7 +109,7 @@ def train_and_evaluate(
         # the process that started it builds the model and takes the callbacks' state.
         return dataclasses.replace(result, model=None,
                                    callback_states=hooks.portable_states(callbacks))
-    result = model_in_hand(result, prepared, model_fn, loss_fn, compute_loss, config)
+    result = model_in_hand(result, prepared, model_fn, loss_fn, compute_loss, config, names)
     hooks.take_states(callbacks, result.callback_states, result.model)
     return dataclasses.replace(result, callback_states=None)
 
@@ -170,7 +172,8 @@ def _train(run, log, stop, callbacks):
     latest = run.manager.latest()
     model, restored = restore_and_evaluate(
         latest[0], run.dataset, run.model_fn, run.loss_fn, run.compute_loss, run.global_batch,
-        config.steps_per_execution, precision=config.precision, seed=config.seed)
+        config.steps_per_execution, precision=config.precision, seed=config.seed,
+        names=run.names)
     log(f"Restored {latest[0]} without distribution: "
         f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
