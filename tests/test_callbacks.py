@@ -141,10 +141,17 @@ def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit
     assert [list(row) for row in mine] == [list(row) for row in fits]
     assert [float(r["val_loss"]) for r in mine] == pytest.approx(
         [float(r["val_loss"]) for r in fits], rel=1e-5)
-    # The newest checkpoint holds the weights as trained; the model in hand, the best ones.
+    # The newest checkpoint holds the weights as trained; the model in hand, the best ones,
+    # and the newest checkpoint's optimizer, as fit's model ends (30 steps, rate 0.3).
     newest = model_fn()
     newest.load_weights(result.restored["checkpoint"])
     assert not np.allclose(newest.get_weights()[0], result.model.get_weights()[0])
+    assert optimizer_state(result.model) == optimizer_state(reference) == {
+        "iteration": 2 * KdistOrder().steps, "learning_rate": pytest.approx(0.3)}
+
+
+def optimizer_state(model):
+    return {v.name: float(keras.ops.convert_to_numpy(v)) for v in model.optimizer.variables}
 
 
 def test_reduce_lr_on_plateau_halves_the_learning_rate_as_in_fit_and_tensorboard_shows_it(

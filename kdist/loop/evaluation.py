@@ -71,7 +71,8 @@ def model_in_hand(result: TrainingResult, prepared: base.Prepared,
                   config: TrainConfig, names: dict | None = None) -> TrainingResult:
     """`result` with its model: built by `model_fn` with no distribution (unless the
     restored evaluation built it already), holding `result.weights`; `names` as
-    `restore_and_evaluate`'s."""
+    `restore_and_evaluate`'s. A model built here holds the newest checkpoint's
+    optimizer and seed states, as the restored evaluation's model does."""
     if result.model is not None:
         result.model.set_weights(result.weights)
         return dataclasses.replace(result, weights=None)
@@ -80,5 +81,8 @@ def model_in_hand(result: TrainingResult, prepared: base.Prepared,
         engine, config.batch_size_per_replica, building.sample_rows(prepared), model_fn,
         loss_fn=loss_fn, compute_loss=compute_loss, train=False, precision=config.precision,
         names=names)
+    latest = checkpoints.CheckpointManager(config.checkpoint_dir).latest()
+    if latest is not None:
+        checkpoints.restore(model, latest[0], optimizers=False)
     model.set_weights(result.weights)
     return dataclasses.replace(result, model=model, weights=None)

@@ -17,8 +17,10 @@ class TrainingResult:
             every callback's `on_train_end`: `EarlyStopping(
             restore_best_weights=True)` leaves the best ones, as in `fit`;
             with `use_ema=True` the optimizer's moving averages, as `fit`
-            ends), ready for `predict`, `save` and `export`. Its optimizer's state
-            and its random seed states are in the checkpoints, not here.
+            ends), ready for `predict`, `save` and `export`. Its optimizers and
+            random seed states are the newest checkpoint's (step counter,
+            moments, learning rate), so `fit` goes on from it as from that
+            checkpoint.
         history: per Keras name, a list of one value per epoch, as
             `keras.callbacks.History().history`: "loss" and each metric on
             the training data, "val_loss" and "val_" each metric on the test
