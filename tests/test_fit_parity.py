@@ -113,6 +113,23 @@ def test_regularizers_and_add_loss_enter_one_step_as_in_fit(replicas):
     assert gap > 1e-3
 
 
+class ProbabilityStats(keras.metrics.Metric):
+    """A user's metric whose result is a dict: `fit` reports each entry by its key."""
+
+    def __init__(self, name="probability_stats"):
+        super().__init__(name=name)
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.total.assign_add(ops.sum(y_pred))
+        self.count.assign_add(ops.sum(ops.ones_like(y_pred)))
+
+    def result(self):
+        return {"mean_probability": ops.divide_no_nan(self.total, self.count),
+                "examples": ops.multiply(self.count, 1.0)}
+
+
 def binary_classifier():
     inputs = keras.Input((8,))
     hidden = keras.layers.Dense(16, activation="relu")(inputs)
@@ -121,7 +138,7 @@ def binary_classifier():
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="binary_crossentropy",
                   metrics=[keras.metrics.AUC(name="auc"), keras.metrics.Precision(name="precision"),
                            keras.metrics.Recall(name="recall"), "accuracy",
-                           keras.metrics.MeanSquaredError(name="brier")])
+                           keras.metrics.MeanSquaredError(name="brier"), ProbabilityStats()])
     return model
 
 
@@ -184,6 +201,7 @@ def test_test_metrics_equal_keras_evaluate_on_an_uneven_test_set(replicas, model
         auc = keras.metrics.AUC()
         auc.update_state(test_y, reference.predict(test_x, batch_size=2048, verbose=0))
         assert results["auc"] == pytest.approx(float(auc.result()), rel=1e-6)
+        assert results["examples"] == len(test_x)  # ProbabilityStats' entries, as fit's.
 
 
 def two_in_two_out():

@@ -223,7 +223,7 @@ class Program:
         names = {}
         for metric in self.metrics:
             value = metric.result()
-            results = value if isinstance(value, dict) else {metric.name: value}
+            results = _flat(value) if isinstance(value, dict) else {metric.name: value}
             for name, result in results.items():
                 if len(ops.shape(result)) != 0:
                     raise UsageError(
@@ -243,7 +243,7 @@ class Program:
         with keras.StatelessScope(state_mapping=mapping):  # Reads these; assigns nothing.
             for metric in self.metrics:
                 value = metric.result()
-                values = value if isinstance(value, dict) else {metric.name: value}
+                values = _flat(value) if isinstance(value, dict) else {metric.name: value}
                 merged.update({k: float(np.asarray(keras.ops.convert_to_numpy(v)))
                                for k, v in values.items()})
         return {name: merged[name] if name in merged else
@@ -275,9 +275,10 @@ def defines(model, name):
 
 
 def _flat(logs):
-    """A step's logs with each nested dict's entries in its place, as `fit` flattens
-    them: the Keras guide's step returns the compiled metrics' `result()`, a dict,
-    under "compile_metrics"."""
+    """A step's logs (or a metric's result) with each nested dict's entries in its
+    place, as `fit` flattens them: the Keras guide's step returns the compiled
+    metrics' `result()`, a dict, under "compile_metrics", and a metric whose
+    result is a dict reports its entries."""
     flat: dict[str, Any] = {}
     for name, value in logs.items():
         flat.update(_flat(value) if isinstance(value, dict) else {name: value})
