@@ -165,6 +165,25 @@ def test_accumulated_steps_equal_one_step_of_their_batches():
         assert worst <= TOLERANCE, f"{replicas} replicas differ from 1 by {worst}"
 
 
+def test_a_multi_optimizer_applies_each_share_of_the_gradient_once_as_fit_does():
+    # Each of its optimizers gets the averaged gradient of its variables (on
+    # TensorFlow each would sum it over replicas again: 2x the update on 2), and
+    # one of them accumulates (its conditional update, under a MirroredStrategy).
+    def multi():
+        return keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            keras.optimizers.SGD(0.5),
+            {".*bias": keras.optimizers.SGD(0.2, gradient_accumulation_steps=2)}))
+
+    initial, one, _ = train(multi, None, count=2)
+    assert min(float(np.abs(w - i).max()) for w, i in zip(one, initial)) > 1e-3  # All moved.
+    reference, _ = fit(multi, initial, count=2)
+    assert difference(one, reference) <= TOLERANCE, "kdist differs from Keras fit"
+    for replicas in (2, 4):
+        _, many, _ = train(multi, replicas, count=2)
+        worst = difference(many, one)
+        assert worst <= TOLERANCE, f"{replicas} replicas differ from 1 by {worst}"
+
+
 def test_a_schedule_with_accumulation_counts_batches_as_keras_does():
     # Keras evaluates the schedule at the optimizer's raw counter, the batches
     # seen (K per update), while `optimizer.iterations` counts the updates.

@@ -11,7 +11,7 @@ global gradient. Both replace methods of the one optimizer instance.
 import tensorflow as tf
 from keras import ops
 
-from kdist.step.optimizer import inner_optimizer
+from kdist.step.optimizer import inner_optimizer, updating_optimizers
 
 
 def apply_reduced(optimizer):
@@ -23,10 +23,12 @@ def apply_reduced(optimizer):
     clipping, accumulation and the update all see the global gradient.
 
     A `LossScaleOptimizer` (mixed_float16) unscales the gradients and hands
-    them to the optimizer it wraps, whose `apply` would sum them: the sum
-    is turned off on both.
+    them to the optimizer it wraps, and a `MultiOptimizer` its share to each
+    of its optimizers, whose `apply` would sum them: the sum is turned off on
+    every one (`updating_optimizers`).
     """
-    for each in {id(o): o for o in (optimizer, inner_optimizer(optimizer))}.values():
+    every = [optimizer, inner_optimizer(optimizer)] + updating_optimizers(optimizer)
+    for each in {id(o): o for o in every}.values():
         if not hasattr(each, "_all_reduce_sum_gradients"):
             raise RuntimeError("this Keras version's TensorFlow optimizer has no "
                                "_all_reduce_sum_gradients; kdist cannot apply summed "
@@ -47,10 +49,14 @@ def apply_without_cond(optimizer):
     on every step, and on a step that only accumulates, the variables it
     changed get their previous values back. The values are those of Keras'
     `_backend_apply_gradients`; the same code runs with one replica or many.
-    With a `LossScaleOptimizer` this applies to the optimizer it wraps,
-    which holds these settings.
+    With a `LossScaleOptimizer` this applies to the optimizer it wraps, with a
+    `MultiOptimizer` to each of its optimizers: those hold these settings.
     """
-    optimizer = inner_optimizer(optimizer)
+    for each in updating_optimizers(optimizer):
+        _select_without_cond(each)
+
+
+def _select_without_cond(optimizer):
     accumulate = optimizer.gradient_accumulation_steps
     overwrite = optimizer.use_ema and optimizer.ema_overwrite_frequency
     if not (accumulate or overwrite):

@@ -21,6 +21,16 @@ def inner_optimizer(optimizer):
     return optimizer
 
 
+def updating_optimizers(optimizer):
+    """The optimizers whose `apply` updates weights when `optimizer` applies: the
+    one a `LossScaleOptimizer` wraps, each one a `keras.optimizers.MultiOptimizer`
+    dispatches to, else `optimizer` itself."""
+    inner = inner_optimizer(optimizer)
+    if isinstance(inner, keras.optimizers.MultiOptimizer):
+        return [o for sub in inner._inner_optimizers for o in updating_optimizers(sub)]
+    return [inner]
+
+
 def skipped(optimizer, grads):
     """1.0 (float32) if `optimizer` skips a step with these gradients, else 0.0.
 
