@@ -7,6 +7,7 @@ import os
 import keras
 import numpy as np
 import pytest
+from helpers import SEVERAL
 from keras import ops
 
 import kdist
@@ -365,6 +366,41 @@ def test_a_gradient_with_respect_to_a_frozen_layer(tmp_path):
                                       model_fn=model_fn, log=lambda line: None)
     np.testing.assert_allclose(result.history["grad_sum"], [x.mean(axis=0).sum()], rtol=1e-5)
     np.testing.assert_array_equal(result.model.frozen.kernel.numpy(), built[0])
+
+
+class ClippedEmbedding(keras.Model):
+    """A step that clips an `Embedding`'s gradient (TensorFlow's tape gives it as one
+    slice per token looked up) before applying it with SGD(1)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embedding = keras.layers.Embedding(6, 1, embeddings_initializer="zeros")
+        self.embedding.build((None, 1))
+        self.optimizer = keras.optimizers.SGD(1.0)
+
+    def call(self, tokens):
+        return self.embedding(tokens)
+
+    def train_step(self, data):
+        tokens, _ = data
+        grads = kdist.grad(lambda: ops.mean(self(tokens)), self.trainable_variables)
+        self.optimizer.apply([ops.clip(g, -0.25, 0.25) for g in grads],
+                             self.trainable_variables)
+        return {"grad_of_3": ops.sum(grads[0][3])}
+
+
+def test_a_step_reads_and_clips_an_embeddings_gradient_as_one_tensor(tmp_path):
+    """Token 3 is 4 of 8 rows: its gradient is 4/8, clipped to 0.25, on every backend
+    and replica count (clipping TensorFlow's slices, 1/8 each, would clip none)."""
+    tokens = np.array([[3], [0], [3], [1], [3], [2], [3], [4]], np.int32)
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=8 // SEVERAL,
+                               replicas=SEVERAL, checkpoint_dir=str(tmp_path))
+    result = kdist.train_and_evaluate(config, kdist.Dataset(
+        tokens, tokens[:, 0], tokens, tokens[:, 0], "toy"), model_fn=ClippedEmbedding,
+        log=lambda line: None)
+    assert result.history["grad_of_3"] == [pytest.approx(0.5)]
+    np.testing.assert_allclose(result.model.embedding.embeddings.numpy()[:, 0],
+                               [-0.125, -0.125, -0.125, -0.25, -0.125, 0.0], rtol=1e-6)
 
 
 class OwnLossScaled(keras.Model):

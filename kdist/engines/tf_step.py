@@ -97,7 +97,10 @@ class Primitives(step_context.Primitives):
     def value_and_grad(self, context, fn, variables, tensors):
         """Differentiates `fn(*tensors)` on a tape. Outside a replica (the building
         run, under the strategy's scope) a distributed variable cannot be
-        differentiated, so the variables are read as watched copies there."""
+        differentiated, so the variables are read as watched copies there.
+        A gradient the tape gives as `tf.IndexedSlices` (an `Embedding`'s: one
+        slice per row looked up) comes back as the dense tensor it sums to, as
+        on JAX and torch: `keras.ops` then read the gradient, not its slices."""
         cross_replica = tf.distribute.in_cross_replica_context()
         scope = current_scope()
         sources = [tf.identity(v.value) if cross_replica else scope.get_current_value(v)
@@ -109,7 +112,8 @@ class Primitives(step_context.Primitives):
                     tape.watch(watched)
             value = fn(*tensors)
             loss = loss_of(value)
-        grads = tape.gradient(loss, sources + list(tensors))
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
+                 for g in tape.gradient(loss, sources + list(tensors))]
         return value, grads[:len(sources)], grads[len(sources):]
 
     def mean_over_replicas(self, grads):
