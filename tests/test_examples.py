@@ -112,6 +112,11 @@ class _ReturnsVector(_Assigns):
         return {"logits": self.dense(keras.ops.reshape(data[0], (-1, 784)))}
 
 
+class _DrawsByBatchSize(_Assigns):
+    def train_step(self, data):
+        return {"noise": keras.ops.mean(kdist.random.normal((32, 3)))}  # Not the rows'.
+
+
 class _InnerOptimizer(_Assigns):
     """A step that unscales by hand and applies a LossScaleOptimizer's inner optimizer."""
 
@@ -132,6 +137,8 @@ class _InnerOptimizer(_Assigns):
     (_Assigns, "assigns '.*kernel' itself"),
     (_InnerOptimizer, r"applies the inner optimizer \(SGD\) of the model's LossScaleOptimizer"),
     (_WrongGradient, "reads none of the variables"),
+    (_DrawsByBatchSize, r"normal\(32, 3\): its first axis must be the rows of the batch the "
+                        r"step sees \(2 in the run that builds the step, .* ops.shape\(x\)\[0\]"),
     (_ReturnsVector, "returns 'logits' of shape"),
     (_BackendOp, r"the train_step calls (tensorflow|jax|torch)\S* \(.*test_examples.py:\d+\)"),
 ])

@@ -25,9 +25,11 @@ def take(kind, shape):
     context = step_context.current()
     shape = tuple(int(d) for d in shape)
     if not shape or shape[0] != context.rows:
+        building = (" in the run that builds the step, on a few sample rows; take them from "
+                    "ops.shape(x)[0], not from the batch size") if context.dry else ""
         raise UsageError(f"kdist.random.{kind}{shape}: its first axis must be the rows of the "
-                         f"batch the step sees ({context.rows}), one row per example, so "
-                         "that every replica draws its examples' rows")
+                         f"batch the step sees ({context.rows}{building}), one row per "
+                         "example, so that every replica draws its examples' rows")
     if context.dry:
         context.recorded_draws.append((kind, shape[1:]))
         rng = np.random.default_rng(len(context.recorded_draws))
