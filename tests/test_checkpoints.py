@@ -1,5 +1,6 @@
 """Checkpoints: portable, atomic, pruned, and never lost to a bad write."""
 
+import dataclasses
 import errno
 import json
 import os
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 from helpers import SEVERAL, edit_metadata
 
+import kdist
 from kdist import checkpoints, engines
 from kdist.loop import building, training
 from kdist.models.cnn import create_model
@@ -152,6 +154,36 @@ def test_another_optimizer_is_a_clear_error_before_loading(tmp_path):
         checkpoints.restore(sgd, path, optimizers=False)  # To evaluate: the weights load.
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(sgd.weights[0]),
                                   keras.ops.convert_to_numpy(model.weights[0]))
+
+
+def two_layers(first_trains):
+    """Two Dense layers of the same shape, one of them frozen; SGD with momentum
+    (one slot per trained weight: the same count whichever layer trains)."""
+    first = keras.layers.Dense(4, trainable=first_trains)
+    second = keras.layers.Dense(4, trainable=not first_trains)
+    model = keras.Sequential([keras.Input((4,)), first, second])
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    return model
+
+
+def test_a_resume_whose_model_trains_other_weights_is_a_clear_error(tmp_path):
+    """The momentum of the first layer's weights would land on the second's, silently
+    (Keras loads the slots by position)."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = kdist.Dataset(x, x, x, x, "toy")
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=SEVERAL,
+                                  checkpoint_dir=str(tmp_path))
+    kdist.train_and_evaluate(config, data, model_fn=lambda: two_layers(True),
+                             log=lambda line: None)
+    resumed = dataclasses.replace(config, epochs=2)
+    kdist.train_and_evaluate(resumed, data, model_fn=lambda: two_layers(True),
+                             log=lambda line: None)  # The same layer trains: it resumes.
+    with pytest.raises(checkpoints.CheckpointError, match=(
+            r"ckpt-\d+.weights.h5 was written for a different model: its optimizer "
+            r"'optimizer' updated other weights than this model's does \(a layer's trainable "
+            r"setting changed\?\)")):
+        kdist.train_and_evaluate(dataclasses.replace(config, epochs=3), data,
+                                 model_fn=lambda: two_layers(False), log=lambda line: None)
 
 
 def test_unwritable_folder_fails_before_training(tmp_path):

@@ -14,7 +14,9 @@ that draws random numbers), one dataset per generator in the order of
 without them a resumed run would draw the dropout masks of its first steps
 again instead of those the uninterrupted run draws next. Keras' own
 `load_weights` ignores the group; files without it load with the model's
-generators as they are.
+generators as they are. A root attribute `kdist_optimized` names the weights
+each optimizer updates (their indices in `model.weights`), so a resume whose
+model trains other weights is refused, not given their state.
 
 Keras writes the file into memory (`Buffer`), and kdist copies the bytes to
 disk with plain file I/O: a full disk then raises `OSError` in Python instead
@@ -43,6 +45,7 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "replicas": int, "global_batch_size": int, "seed": int, "workers": int,
     "train_examples": (int, type(None)), "steps_per_epoch": (int, type(None))}
 SEED_GROUP = "kdist_seed_generators"
+OPTIMIZED = "kdist_optimized"  # Which weights each optimizer updates (`_optimized`).
 
 
 class Buffer(io.BytesIO):
@@ -59,12 +62,34 @@ def snapshot(model):
     buffer = Buffer()
     model.save_weights(buffer)
     seeds = seed_states(model)
-    if seeds:
-        with h5py.File(buffer, "a") as f:
+    with h5py.File(buffer, "a") as f:
+        f.attrs[OPTIMIZED] = json.dumps(_optimized(model))
+        if seeds:
             group = f.create_group(SEED_GROUP)
             for i, variable in enumerate(seeds):
                 group[str(i)] = np.array(variable.numpy())
     return buffer
+
+
+def _optimized(model):
+    """{attribute: the indices in `model.weights` of the weights it updates} of each
+    built optimizer the model holds as an attribute: its state variables are
+    those weights' slots, in that order."""
+    index = {id(w): i for i, w in enumerate(model.weights)}
+    return {name: [index.get(id(v), -1) for v in optimizer._trainable_variables]
+            for name, optimizer in _held_optimizers(model) if optimizer.built}
+
+
+def _held_optimizers(model):
+    """(attribute, optimizer) of each optimizer the model holds as an attribute,
+    as Keras writes its state (under that name), once each."""
+    import keras  # Here: reading metadata needs no framework.
+
+    seen: set = set()
+    for name, value in sorted(vars(model).items()):
+        if isinstance(value, keras.optimizers.Optimizer) and id(value) not in seen:
+            seen.add(id(value))
+            yield name, value
 
 
 def finish(taken, metadata):
@@ -162,21 +187,28 @@ def _check_optimizer_state(f, model):
     writes its state under that name), another count of state variables than
     that optimizer has once built (Adam 2 per weight and 2 of its own, SGD 2 of
     its own). Keras would skip that state with a warning and train on with a
-    fresh optimizer. An optimizer not yet built (evaluation: it holds its step
-    count and learning rate alone) is not checked."""
-    import keras  # Here: reading metadata needs no framework.
-
-    seen = set()
-    for name, value in sorted(vars(model).items()):
-        if not isinstance(value, keras.optimizers.Optimizer) or id(value) in seen:
+    fresh optimizer. Nor may the optimizer have updated other weights of the
+    model (a layer's `trainable` changed): Keras would load one weight's
+    slots (momentum) into another's of the same shape, or fail on another
+    shape. An optimizer not yet built (evaluation: it holds its step count
+    and learning rate alone) is not checked."""
+    written = json.loads(f.attrs.get(OPTIMIZED, "{}"))
+    built = _optimized(model)
+    for name, value in _held_optimizers(model):
+        if not value.built:
             continue
-        seen.add(id(value))
         has = len(value.variables)
         holds = len(f[f"{name}/vars"]) if f"{name}/vars" in f else 0
-        if value.built and holds != has:
+        if holds != has:
             raise InvalidCheckpoint(
                 f"it holds {holds} state variables of optimizer {name!r}, and this model's "
                 f"{type(value).__name__} has {has} (another optimizer, or other weights)")
+        if name in written and written[name] != built[name]:
+            raise InvalidCheckpoint(
+                f"its optimizer {name!r} updated other weights than this model's does (a "
+                "layer's trainable setting changed?), so their state would land on other "
+                "weights; to go on from its weights with a fresh optimizer, start in "
+                "another checkpoint folder from a model_fn that loads them")
 
 
 def _fit_optimizer_layout(data, optimizer):
