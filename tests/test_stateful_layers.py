@@ -430,6 +430,43 @@ def test_a_count_and_a_sum_declared_to_add_up_do_over_replicas(tmp_path):
                                total if BACKEND == "jax" else total / 2, rtol=1e-6)
 
 
+class MaskTotals(keras.layers.Layer):
+    """Adds a seeded Dropout's mask of a replica's rows of ones (16 each) into a
+    variable declared to add up over replicas: after one step, the sum of the
+    replicas' masks row by row (JAX's one program: of its two halves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dropout = keras.layers.Dropout(0.5, seed=DROPOUT_SEED or 5)
+
+    def build(self, shape):
+        self.totals = self.add_weight(shape=(16, 4), initializer="zeros", trainable=False,
+                                      name="totals", aggregation="sum")
+
+    def call(self, x, training=False):
+        if training and x.shape[0] % 16 == 0:  # Not the building run's 2 sample rows.
+            mask = self.dropout(ops.ones_like(x), training=True)
+            self.totals.assign(self.totals + ops.sum(ops.reshape(mask, (-1, 16, 4)), axis=0))
+        return x
+
+
+def test_each_replica_draws_its_own_dropout_mask_from_a_seeded_layer(tmp_path):
+    """Before, torch's processes all drew process 0's masks: each total 0 or 4."""
+    x = np.ones((32, 4), np.float32)
+
+    def model_fn():
+        model = keras.Sequential([keras.Input((4,)), MaskTotals(), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+        return model
+
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=2,
+                                  checkpoint_dir=str(tmp_path))
+    result = training.train_and_evaluate(config, kdist.Dataset(x, x[:, :1], x, x[:, :1], "toy"),
+                                         model_fn, log=lambda line: None)
+    totals = result.model.layers[0].totals.numpy()
+    assert set(np.unique(totals)) == {0.0, 2.0, 4.0}  # 2: one replica kept it, one not.
+
+
 class Positives(keras.layers.Layer):
     """Counts the inputs above 0.5 it trains on, undeclared: each replica its own."""
 

@@ -18,14 +18,13 @@ import torch.distributed as dist
 
 from kdist import tree
 from kdist.engines import contract
-from kdist.engines.torch_step import Primitives, all_reduce_sum
+from kdist.engines.torch_step import SEED_STRIDE, Primitives, all_reduce_sum, seed_offsets
 from kdist.errors import ReplicaPerProcess, UsageError
 from kdist.tree import map_arrays as _map_arrays
 from kdist.workers import processes
 
 # The loop starts one process per replica for this engine (`kdist.loop.replicas`).
 PROCESS_PER_REPLICA = True
-_SEED_STRIDE = 1_000_003  # Separates the replicas' random streams.
 
 
 def _device():
@@ -167,7 +166,7 @@ class Engine(contract.Engine):
                     dist.broadcast(variable.value.data, src=0)
             # Unseeded dropout draws from torch's own generator: one stream per
             # replica, process 0's the one a single process draws.
-            torch.manual_seed(torch.initial_seed() + self.shard[0] * _SEED_STRIDE)
+            torch.manual_seed(torch.initial_seed() + self.shard[0] * SEED_STRIDE)
 
     def distribute(self, stacked):
         """This process's part of a stacked chunk, as tensors on its device."""
@@ -184,10 +183,16 @@ class Engine(contract.Engine):
         # Only what `kdist.value_and_grad` differentiates records a graph (its
         # Primitives enable it), as a tape does on TensorFlow: a tensor computed
         # before it carries no gradient to the variables.
+        offsets = seed_offsets(self.program.variables, self.shard[0])
         with torch.no_grad():
-            stats, scope = self.program.run(Primitives(self), True, batch)
+            stats, scope = self.program.run(Primitives(self), True, batch,
+                                            [(v, v.value + shift) for v, shift in offsets])
         with torch.no_grad():
-            self._keep_updates(scope.changed())
+            changed = scope.changed()
+            for variable, shift in offsets:  # Kept unshifted: alike in every process.
+                if id(variable) in changed:
+                    changed[id(variable)] = changed[id(variable)] - shift
+            self._keep_updates(changed)
         stats = {k: v.detach() for k, v in stats.items()}
         if not self.is_chief:
             stats["skipped"] = torch.zeros_like(stats["skipped"])

@@ -63,6 +63,19 @@ class Primitives(step_context.Primitives):
             return apply(grads, variables)
 
 
+SEED_STRIDE = 1_000_003  # Separates the replicas' random streams, as on TensorFlow.
+
+
+def seed_offsets(variables, rank):
+    """(variable, shift) of each `keras.random.SeedGenerator` state among
+    `variables`: what process `rank` adds to it for a train step, so every
+    replica draws its own dropout masks and noise (process 0, none: it draws
+    what one device would for its rows)."""
+    return [(v, torch.tensor([rank * SEED_STRIDE, 0], dtype=v.value.dtype,
+                             device=v.value.device))
+            for v in variables if rank and v.path.endswith("seed_generator_state")]
+
+
 def all_reduce_sum(tensors):
     """`tensors` summed over the process group: one all-reduce of a flat buffer
     per dtype they are summed in. float64 and int64 are summed as themselves,
