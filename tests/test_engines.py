@@ -89,6 +89,28 @@ def test_a_model_or_optimizer_made_before_the_engine(tmp_path, made_outside):
         assert train(lambda: model_fn(outside), "outside") == train(model_fn, "inside")
 
 
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="TensorFlow's strategy holds only the variables made in its scope")
+def test_a_layer_made_before_the_engine_is_named(tmp_path):
+    """A layer adapted or built outside model_fn, in a model made inside it."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    outside = keras.layers.Dense(1)
+    outside.build((None, 4))
+
+    def model_fn():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4), outside])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=8, replicas=2,
+                               checkpoint_dir=str(tmp_path), progress=False)
+    with pytest.raises(kdist.UsageError, match=(
+            r"model with variables created outside it, before kdist's engine existed "
+            r"\(dense\w*/kernel, dense\w*/bias\), so the replicas do not hold them")):
+        kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, :1], x, x[:, :1], "toy"),
+                                 model_fn=model_fn, log=lambda line: None)
+
+
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's warning")
 def test_engines_made_one_after_another_trace_once_each_and_warn_of_no_retracing(
         small_dataset):

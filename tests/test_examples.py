@@ -112,6 +112,20 @@ class _ReturnsVector(_Assigns):
         return {"logits": self.dense(keras.ops.reshape(data[0], (-1, 784)))}
 
 
+class _Unbuilt(keras.Model):
+    """A step that reads a layer's variables before anything builds it."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(10)
+
+    def train_step(self, data):
+        x = keras.ops.reshape(data[0], (-1, 784))
+        loss, grads = kdist.value_and_grad(lambda: keras.ops.mean(self.dense(x)),
+                                           self.dense.trainable_variables)
+        return {"loss": loss}
+
+
 class _DrawsByBatchSize(_Assigns):
     def train_step(self, data):
         return {"noise": keras.ops.mean(kdist.random.normal((32, 3)))}  # Not the rows'.
@@ -137,6 +151,8 @@ class _InnerOptimizer(_Assigns):
     (_Assigns, "assigns '.*kernel' itself"),
     (_InnerOptimizer, r"applies the inner optimizer \(SGD\) of the model's LossScaleOptimizer"),
     (_WrongGradient, "reads none of the variables"),
+    (_Unbuilt, r"kdist.value_and_grad with respect to nothing \(an empty list\): a layer "
+               "has variables once it is built"),
     (_DrawsByBatchSize, r"normal\(32, 3\): its first axis must be the rows of the batch the "
                         r"step sees \(2 in the run that builds the step, .* ops.shape\(x\)\[0\]"),
     (_ReturnsVector, "returns 'logits' of shape"),

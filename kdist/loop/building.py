@@ -87,16 +87,28 @@ def _refuse_outside_scope(engine, model):
     """A model, or an optimizer it holds, created before the engine (outside
     `model_fn`) whose variables the engine's replicas cannot update
     (`outside_scope`: on TensorFlow, variables no strategy holds) is a UsageError."""
-    if engine.outside_scope(model.variables):
+    outside = engine.outside_scope(model.variables)
+    if outside and len(outside) == len(model.variables):
         raise UsageError(
             "model_fn returned a model created outside it, before kdist's engine existed, "
             "so the replicas do not hold its variables; create the model inside model_fn")
+    if outside:
+        raise UsageError(
+            f"model_fn returned a model with variables created outside it, before kdist's "
+            f"engine existed ({_names(outside)}), so the replicas do not hold them; create "
+            "their layers inside model_fn (a layer adapted outside: adapt it there, or give "
+            "the new layer its values, e.g. Normalization(mean=..., variance=...))")
     for optimizer in step_optimizer.held_by(model):
         if engine.outside_scope(optimizer.variables):
             raise UsageError(
                 f"the model's optimizer ({type(optimizer).__name__}) was created outside "
                 "model_fn, before kdist's engine existed, so the replicas do not hold its "
                 "variables; create it inside model_fn")
+
+
+def _names(variables):
+    paths = [v.path for v in variables[:3]]
+    return ", ".join(paths) + (f" and {len(variables) - 3} more" if len(variables) > 3 else "")
 
 
 def object_names():

@@ -42,6 +42,11 @@ def value_and_grad(fn: Any, wrt: Any) -> tuple[Any, Any]:
     """
     context = step_context.current()
     items = list(wrt) if isinstance(wrt, (list, tuple)) else [wrt]
+    if not items:
+        raise UsageError("kdist.value_and_grad with respect to nothing (an empty list): a "
+                         "layer has variables once it is built; build the model in model_fn "
+                         "(call it on a batch, or layer.build(input_shape)) before a step "
+                         "reads its trainable_variables")
     is_variable = [isinstance(item, keras.Variable) for item in items]
     variables = [item for item, var in zip(items, is_variable) if var]
     tensors = [item for item, var in zip(items, is_variable) if not var]
