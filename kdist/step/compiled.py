@@ -26,6 +26,7 @@ from keras import ops
 from keras.src.backend import get_keras_mask, set_keras_mask  # A prediction's mask.
 
 from kdist import tree
+from kdist.checkpoints.ckptfile import seed_states
 from kdist.errors import UsageError
 from kdist.step import api
 from kdist.tree import leaves as data_leaves
@@ -98,10 +99,14 @@ def build_metrics(model, x, y, sample_weight=None):
 
     Keras builds them at their first call; kdist makes that call eagerly,
     before tracing, so every metric variable exists (in the engine's scope).
+    The seed generators' states are put back after it: a Keras RNN with
+    dropout draws its masks at every call, even outside training, and the
+    first step must draw what `fit`'s first step draws.
     """
     if not model.compiled:
         raise UsageError("the model is not compiled: call model.compile(optimizer=..., "
                          "loss=..., metrics=[...]) in model_fn, as for fit")
+    seeds = [(v, ops.convert_to_numpy(v.value)) for v in seed_states(model)]
     y_pred = model(x, training=False)
     if model.loss is not None or type(model).compute_loss is not keras.Model.compute_loss:
         model.compute_loss(x, y, y_pred, sample_weight, training=False)
@@ -109,6 +114,8 @@ def build_metrics(model, x, y, sample_weight=None):
     _check_sums(model, (x, y, y_pred, sample_weight))
     for metric in model.metrics:
         metric.reset_state()
+    for variable, value in seeds:
+        variable.assign(value)
 
 
 def _check_sums(model, batch):
