@@ -126,6 +126,23 @@ class _Unbuilt(keras.Model):
         return {"loss": loss}
 
 
+class _TwoSubsets(_Assigns):
+    """A step that applies one optimizer to one layer, then to another."""
+
+    def __init__(self):
+        super().__init__()
+        self.sgd = keras.optimizers.SGD(0.1)
+
+    def train_step(self, data):
+        x = keras.ops.reshape(data[0], (-1, 784))
+        for layer in (self.dense, self.other):
+            inputs = x if layer is self.dense else x[:, :2]
+            loss, grads = kdist.value_and_grad(lambda: keras.ops.mean(layer(inputs)),  # noqa: B023
+                                               layer.trainable_variables)
+            self.sgd.apply(grads, layer.trainable_variables)
+        return {"loss": loss}
+
+
 class _DrawsByBatchSize(_Assigns):
     def train_step(self, data):
         return {"noise": keras.ops.mean(kdist.random.normal((32, 3)))}  # Not the rows'.
@@ -151,6 +168,7 @@ class _InnerOptimizer(_Assigns):
     (_Assigns, "assigns '.*kernel' itself"),
     (_InnerOptimizer, r"applies the inner optimizer \(SGD\) of the model's LossScaleOptimizer"),
     (_WrongGradient, "reads none of the variables"),
+    (_TwoSubsets, r"applies SGD to '\w+/kernel', which it was not built on"),
     (_Unbuilt, r"kdist.value_and_grad with respect to nothing \(an empty list\): a layer "
                "has variables once it is built"),
     (_DrawsByBatchSize, r"normal\(32, 3\): its first axis must be the rows of the batch the "

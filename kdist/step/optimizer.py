@@ -213,6 +213,21 @@ def _replace_apply(optimizer, apply):
         original, grads, trainable_variables)
 
 
+def _refuse_unbuilt_on(optimizer, variables):
+    """A `UsageError` where a built optimizer is applied to a variable it was not
+    built on (Keras: "Unknown variable", or on JAX "No gradients provided")."""
+    if not optimizer.built or variables is None:
+        return
+    known = {id(v) for v in optimizer._trainable_variables}
+    unknown = [v for v in variables if id(v) not in known]
+    if unknown:
+        raise UsageError(
+            f"the step applies {type(optimizer).__name__} to {unknown[0].path!r}, which it "
+            "was not built on: an optimizer updates the variables of its first apply (or "
+            "of optimizer.build); give each set of variables its own optimizer, or apply "
+            "one to all of them at once")
+
+
 def route_apply(optimizer):
     """Routes `optimizer.apply` through the step's context (once per optimizer).
 
@@ -245,6 +260,7 @@ def route_apply(optimizer):
                     f"the step applies {type(optimizer).__name__} without variables before "
                     "it is built; pass them: optimizer.apply(grads, variables)")
             context.applied_to.update({id(v): v for v in trainable_variables or ()})
+            _refuse_unbuilt_on(optimizer, trainable_variables)
             if not optimizer.built:
                 with context.optimizer_applying(leave_scope=True):
                     optimizer.build(trainable_variables)
