@@ -95,6 +95,14 @@ def fit_with_trained_weights(optimizer_fn, initial, batch=BATCH, count=1):
     return at_end.weights, [np.array(w) for w in model.get_weights()], model
 
 
+def assert_replicas_match_one(optimizer_fn, one, count=1):
+    """2 and 4 replicas train `count` steps to the weights `one` of 1 replica."""
+    for replicas in (2, 4):
+        _, many, _ = train(optimizer_fn, replicas, count=count)
+        worst = difference(many, one)
+        assert worst <= TOLERANCE, f"{replicas} replicas differ from 1 by {worst}"
+
+
 def difference(a, b):
     return max(float(np.abs(x - y).max()) for x, y in zip(a, b))
 
@@ -116,10 +124,7 @@ def test_clipping_clips_the_global_gradient(clip):
     assert difference(one, unclipped) > 1e-2
     reference, _ = fit(clipped, initial)
     assert difference(one, reference) <= TOLERANCE, "kdist differs from Keras fit"
-    for replicas in (2, 4):  # Clipping each replica's gradient would differ here.
-        _, many, _ = train(clipped, replicas)
-        worst = difference(many, one)
-        assert worst <= TOLERANCE, f"{replicas} replicas differ from 1 by {worst}"
+    assert_replicas_match_one(clipped, one)  # Clipping each replica's gradient would differ here.
 
 
 def test_schedule_advances_once_per_step():
@@ -135,10 +140,7 @@ def test_schedule_advances_once_per_step():
     assert difference(one, constant) > 1e-2
     reference, _ = fit(scheduled, initial, count=3)
     assert difference(one, reference) <= TOLERANCE, "kdist differs from Keras fit"
-    for replicas in (2, 4):
-        _, many, _ = train(scheduled, replicas, count=3)
-        worst = difference(many, one)
-        assert worst <= TOLERANCE, f"{replicas} replicas differ from 1 by {worst}"
+    assert_replicas_match_one(scheduled, one, count=3)
 
 
 def test_accumulated_steps_equal_one_step_of_their_batches():
@@ -159,10 +161,7 @@ def test_accumulated_steps_equal_one_step_of_their_batches():
     assert difference(one, big) <= TOLERANCE, "2 x 8 rows accumulated differ from 16 rows"
     reference, _ = fit(accumulating, initial, count=2)
     assert difference(one, reference) <= TOLERANCE, "kdist differs from Keras fit"
-    for replicas in (2, 4):
-        _, many, _ = train(accumulating, replicas, count=2)
-        worst = difference(many, one)
-        assert worst <= TOLERANCE, f"{replicas} replicas differ from 1 by {worst}"
+    assert_replicas_match_one(accumulating, one, count=2)
 
 
 def test_a_multi_optimizer_applies_each_share_of_the_gradient_once_as_fit_does():
@@ -178,10 +177,7 @@ def test_a_multi_optimizer_applies_each_share_of_the_gradient_once_as_fit_does()
     assert min(float(np.abs(w - i).max()) for w, i in zip(one, initial)) > 1e-3  # All moved.
     reference, _ = fit(multi, initial, count=2)
     assert difference(one, reference) <= TOLERANCE, "kdist differs from Keras fit"
-    for replicas in (2, 4):
-        _, many, _ = train(multi, replicas, count=2)
-        worst = difference(many, one)
-        assert worst <= TOLERANCE, f"{replicas} replicas differ from 1 by {worst}"
+    assert_replicas_match_one(multi, one, count=2)
 
 
 def test_a_schedule_with_accumulation_counts_batches_as_keras_does():

@@ -405,10 +405,15 @@ class RunningSum(keras.layers.Layer):
         return x
 
 
-def running_sum_model():
-    model = keras.Sequential([keras.Input((4,)), RunningSum(), keras.layers.Dense(1)])
+def around(layer):
+    """`layer` between 4 inputs and a Dense(1), compiled with SGD and MSE."""
+    model = keras.Sequential([keras.Input((4,)), layer, keras.layers.Dense(1)])
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     return model
+
+
+def running_sum_model():
+    return around(RunningSum())
 
 
 def test_a_count_and_a_sum_declared_to_add_up_do_over_replicas(tmp_path):
@@ -485,9 +490,7 @@ def test_each_replica_draws_its_own_dropout_mask_from_a_seeded_layer(tmp_path):
     x = np.ones((32, 4), np.float32)
 
     def model_fn():
-        model = keras.Sequential([keras.Input((4,)), MaskTotals(), keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-        return model
+        return around(MaskTotals())
 
     config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=2,
                                   checkpoint_dir=str(tmp_path))
@@ -516,9 +519,7 @@ def test_a_count_undeclared_that_differs_per_replica_is_named(tmp_path):
     y = rng.normal(size=(256, 1)).astype(np.float32)
 
     def model_fn():
-        model = keras.Sequential([keras.Input((4,)), Positives(), keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-        return model
+        return around(Positives())
 
     config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=2,
                                   checkpoint_dir=str(tmp_path))

@@ -69,6 +69,12 @@ Statistics = dict[str, Any]
 """Per key of `Program.keys`, an array (the framework's or NumPy's)."""
 
 
+SEED_STRIDE = 1_000_003
+"""What replica r adds to each Keras seed generator's state for its train step
+(r times this), so the replicas draw apart and replica 0 draws one device's
+numbers (TensorFlow's and torch's engines)."""
+
+
 @runtime_checkable
 class Engine(Protocol):
     """One backend's way to run kdist's steps data-parallel.

@@ -7,10 +7,9 @@ import contextlib
 import tensorflow as tf
 from keras.src.losses import loss as loss_module  # Its replica scaling (see below).
 
+from kdist.engines import contract
 from kdist.step import context as step_context
 from kdist.step.context import current_scope, loss_of, substituted
-
-_SEED_STRIDE = 1_000_003  # Separates the replicas' random streams.
 
 
 def seed_offsets(variables, replica_id, training):
@@ -21,7 +20,7 @@ def seed_offsets(variables, replica_id, training):
     def offset(variable):
         if not training or not variable.path.endswith("seed_generator_state"):
             return None
-        shift = tf.cast(replica_id * _SEED_STRIDE, variable.dtype)
+        shift = tf.cast(replica_id * contract.SEED_STRIDE, variable.dtype)
         return tf.stack([shift, tf.zeros((), variable.dtype)])
     return [offset(v) for v in variables]
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from kdist import tree
 from kdist.engines import contract
-from kdist.engines.torch_step import SEED_STRIDE, Primitives, all_reduce_sum, seed_offsets
+from kdist.engines.torch_step import Primitives, all_reduce_sum, seed_offsets
 from kdist.errors import ReplicaPerProcess, UsageError
 from kdist.tree import map_arrays as _map_arrays
 from kdist.workers import processes
@@ -166,7 +166,7 @@ class Engine(contract.Engine):
                     dist.broadcast(variable.value.data, src=0)
             # Unseeded dropout draws from torch's own generator: one stream per
             # replica, process 0's the one a single process draws.
-            torch.manual_seed(torch.initial_seed() + self.shard[0] * SEED_STRIDE)
+            torch.manual_seed(torch.initial_seed() + self.shard[0] * contract.SEED_STRIDE)
 
     def distribute(self, stacked):
         """This process's part of a stacked chunk, as tensors on its device."""

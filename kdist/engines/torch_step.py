@@ -5,6 +5,7 @@ process group that its all-reduces use."""
 import torch
 import torch.distributed as dist
 
+from kdist.engines import contract
 from kdist.step import context as step_context
 from kdist.step.context import current_scope, loss_of
 
@@ -63,15 +64,12 @@ class Primitives(step_context.Primitives):
             return apply(grads, variables)
 
 
-SEED_STRIDE = 1_000_003  # Separates the replicas' random streams, as on TensorFlow.
-
-
 def seed_offsets(variables, rank):
     """(variable, shift) of each `keras.random.SeedGenerator` state among
     `variables`: what process `rank` adds to it for a train step, so every
     replica draws its own dropout masks and noise (process 0, none: it draws
     what one device would for its rows)."""
-    return [(v, torch.tensor([rank * SEED_STRIDE, 0], dtype=v.value.dtype,
+    return [(v, torch.tensor([rank * contract.SEED_STRIDE, 0], dtype=v.value.dtype,
                              device=v.value.device))
             for v in variables if rank and v.path.endswith("seed_generator_state")]
 
