@@ -184,6 +184,13 @@ def test_a_resume_whose_model_trains_other_weights_is_a_clear_error(tmp_path):
             r"setting changed\?\)")):
         kdist.train_and_evaluate(dataclasses.replace(config, epochs=3), data,
                                  model_fn=lambda: two_layers(False), log=lambda line: None)
+    newest = checkpoints.CheckpointManager(str(tmp_path)).paths()[-1]
+    with h5py.File(newest, "a") as f:  # Edited by hand: its record is no longer JSON.
+        f.attrs["kdist_optimized"] = "{'optimizer': [0, 1]"
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"ckpt-\d+.weights.h5 .*its record 'kdist_optimized' is not JSON"):
+        kdist.train_and_evaluate(dataclasses.replace(config, epochs=3), data,
+                                 model_fn=lambda: two_layers(True), log=lambda line: None)
 
 
 def test_unwritable_folder_fails_before_training(tmp_path):

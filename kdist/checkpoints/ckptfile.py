@@ -118,7 +118,7 @@ def read_metadata(source):
     with h5py.File(source, "r") as f:
         if "kdist" not in f.attrs:
             raise InvalidCheckpoint("it has no kdist metadata")
-        meta = json.loads(f.attrs["kdist"])
+        meta = _json_attribute(f, "kdist")
     if not isinstance(meta, dict) or meta.get("format") not in READABLE:
         raise InvalidCheckpoint(f"unknown checkpoint format "
                                 f"{meta.get('format') if isinstance(meta, dict) else meta!r}")
@@ -128,6 +128,15 @@ def read_metadata(source):
         if key in meta and wrong:
             raise InvalidCheckpoint(f"its metadata record {key!r} is {value!r}")
     return meta
+
+
+def _json_attribute(f, name):
+    """The value of open file `f`'s root attribute `name`, written as JSON;
+    raises InvalidCheckpoint if it is not (a file edited by hand)."""
+    try:
+        return json.loads(f.attrs[name])
+    except ValueError:
+        raise InvalidCheckpoint(f"its record {name!r} is not JSON") from None
 
 
 def verify(data):
@@ -192,7 +201,7 @@ def _check_optimizer_state(f, model):
     slots (momentum) into another's of the same shape, or fail on another
     shape. An optimizer not yet built (evaluation: it holds its step count
     and learning rate alone) is not checked."""
-    written = json.loads(f.attrs.get(OPTIMIZED, "{}"))
+    written = _json_attribute(f, OPTIMIZED) if OPTIMIZED in f.attrs else {}
     built = _optimized(model)
     for name, value in _held_optimizers(model):
         if not value.built:

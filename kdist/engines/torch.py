@@ -160,6 +160,7 @@ class Engine(contract.Engine):
         alone reports that (`skipped`), so it is counted once.
         """
         self.program = program
+        self._seed_offsets = seed_offsets(program.variables, self.shard[0])
         if self._group:
             with torch.no_grad():
                 for variable in program.variables:
@@ -183,7 +184,7 @@ class Engine(contract.Engine):
         # Only what `kdist.value_and_grad` differentiates records a graph (its
         # Primitives enable it), as a tape does on TensorFlow: a tensor computed
         # before it carries no gradient to the variables.
-        offsets = seed_offsets(self.program.variables, self.shard[0])
+        offsets = self._seed_offsets
         with torch.no_grad():
             stats, scope = self.program.run(Primitives(self), True, batch,
                                             [(v, v.value + shift) for v, shift in offsets])
