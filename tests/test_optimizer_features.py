@@ -180,6 +180,22 @@ def test_a_multi_optimizer_applies_each_share_of_the_gradient_once_as_fit_does()
     assert_replicas_match_one(multi, one, count=2)
 
 
+def test_a_multi_optimizers_averages_end_training_as_fit_ends_it():
+    # fit ends by copying each of its optimizers' moving averages into the
+    # weights that optimizer updates (`use_ema` on one of them).
+    def multi():
+        return keras.optimizers.MultiOptimizer(keras.optimizers.OptimizerMap(
+            keras.optimizers.SGD(0.5),
+            {".*kernel": keras.optimizers.SGD(0.2, use_ema=True, ema_momentum=0.5)}))
+
+    initial, model, _ = trained(multi, None, count=3)
+    trained_weights, reference, _ = fit_with_trained_weights(multi, initial, count=3)
+    assert difference(trained_weights, reference) > 1e-2  # The averages are not the weights.
+    assert difference(values(model.weights), trained_weights) <= TOLERANCE
+    finalize_weights(model)
+    assert difference(values(model.weights), reference) <= TOLERANCE
+
+
 def test_a_schedule_with_accumulation_counts_batches_as_keras_does():
     # Keras evaluates the schedule at the optimizer's raw counter, the batches
     # seen (K per update), while `optimizer.iterations` counts the updates.

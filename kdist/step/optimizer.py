@@ -67,11 +67,16 @@ def ema_variables(optimizer, variables):
 def finalize_weights(model):
     """Ends training as `fit` does (`optimizer.finalize_variable_values`): with
     `use_ema=True` the model's trainable weights take the optimizer's moving
-    averages (the model in hand, and a restored checkpoint's evaluation)."""
-    trainable = model.trainable_weights
-    averages = ema_variables(getattr(model, "optimizer", None), trainable)
-    for variable, average in zip(trainable, averages or ()):
-        variable.assign(average.value)
+    averages (the model in hand, and a restored checkpoint's evaluation); a
+    `MultiOptimizer`'s, each of its optimizers' averages of the weights it updates."""
+    if getattr(model, "optimizer", None) is None:
+        return
+    for optimizer in updating_optimizers(model.optimizer):  # A MultiOptimizer's each.
+        if optimizer.built:
+            updated = {id(v) for v in optimizer._trainable_variables}
+            mine = [v for v in model.trainable_weights if id(v) in updated]
+            for variable, average in zip(mine, ema_variables(optimizer, mine) or ()):
+                variable.assign(average.value)
 
 
 def learning_rates(optimizers):
