@@ -111,6 +111,25 @@ def test_a_layer_made_before_the_engine_is_named(tmp_path):
                                  model_fn=model_fn, log=lambda line: None)
 
 
+def test_a_stateful_rnn_is_refused_before_training(tmp_path):
+    """Its state carries each row to the next batch's same row; a replica sees a share."""
+    x = np.random.default_rng(0).normal(size=(32, 5, 3)).astype(np.float32)
+
+    def model_fn():
+        model = keras.Sequential([keras.Input((5, 3), batch_size=8),
+                                  keras.layers.LSTM(4, stateful=True, name="carried"),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=8, replicas=1,
+                               checkpoint_dir=str(tmp_path), progress=False)
+    with pytest.raises(kdist.UsageError, match=r"stateful RNN layers \(carried\)"):
+        kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, 0, :1], x, x[:, 0, :1], "toy"),
+                                 model_fn=model_fn, log=lambda line: None)
+    assert not list(tmp_path.iterdir())  # No checkpoint written.
+
+
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's warning")
 def test_engines_made_one_after_another_trace_once_each_and_warn_of_no_retracing(
         small_dataset):

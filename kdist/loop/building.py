@@ -53,6 +53,7 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     with engine.scope(), policy(precision), _names_from(names):
         model = model_fn()
         _refuse_outside_scope(engine, model)
+        _refuse_stateful(model)
         if program.defines(model, "train_step"):  # The model's own step.
             if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:
                 raise UsageError(
@@ -104,6 +105,19 @@ def _refuse_outside_scope(engine, model):
                 f"the model's optimizer ({type(optimizer).__name__}) was created outside "
                 "model_fn, before kdist's engine existed, so the replicas do not hold its "
                 "variables; create it inside model_fn")
+
+
+def _refuse_stateful(model):
+    """A stateful RNN (`stateful=True`) carries each row's state on to the same
+    row of the next batch, for a batch size fixed in the model; replicas that
+    each see their share of every batch cannot: a UsageError."""
+    stateful = [layer.name for layer in model._flatten_layers()
+                if getattr(layer, "stateful", False) is True]
+    if stateful:
+        raise UsageError(
+            f"model_fn returned a model with stateful RNN layers ({', '.join(stateful)}): "
+            "kdist trains each batch's rows on their own; use stateful=False (each batch "
+            "starts from zero states), or fit for state carried from batch to batch")
 
 
 def _names(variables):
