@@ -113,6 +113,54 @@ def test_regularizers_and_add_loss_enter_one_step_as_in_fit(replicas):
     assert gap > 1e-3
 
 
+class CountingModel(keras.Model):
+    """A subclassed model whose layers build at its first call; it counts its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.logits = keras.layers.Dense(3)
+
+    def build(self, input_shape):
+        self.calls = self.add_weight(shape=(), initializer="zeros", trainable=False)
+
+    def call(self, x, training=False):
+        self.calls.assign_add(1.0)
+        return self.logits(self.hidden(x))
+
+
+def without_input(model):
+    """`model_fn` of `model()`, compiled as `regularized_classifier`."""
+    def model_fn():
+        built = model()
+        built.compile(optimizer=keras.optimizers.SGD(0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return built
+    return model_fn
+
+
+@pytest.mark.parametrize("replicas", sorted({1, SEVERAL}))
+@pytest.mark.parametrize("model", [
+    CountingModel, lambda: keras.Sequential([keras.layers.Dense(16), keras.layers.Dense(3)])],
+    ids=["subclassed", "Sequential"])
+def test_a_model_that_builds_at_its_first_call_trains_as_fit_builds_it(replicas, model):
+    # fit builds such a model by a symbolic call, which assigns nothing.
+    model_fn = without_input(model)
+    x, y = classification_data(BATCH)
+    engine, ours, step = on_kdist(model_fn, replicas, None, sample=(x[:2], y[:2], None))
+    start = [np.array(w) for w in ours.get_weights()]
+    assert start and not any(np.any(w) for w in start if w.ndim == 0)  # 0 calls counted.
+    engine.compile_steps(step)
+    engine.train_chunk(engine.distribute(chunks.stack_chunk([(x, y, None)])), 1)
+    engine.sync_to_model()
+    reference = model_fn()
+    reference(x[:1])
+    reference.set_weights(start)
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_close(ours.get_weights(), reference.get_weights(), 1e-6)
+
+
 class ProbabilityStats(keras.metrics.Metric):
     """A user's metric whose result is a dict: `fit` reports each entry by its key."""
 

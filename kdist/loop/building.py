@@ -76,11 +76,11 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
             model.compile(optimizer=optimizer, loss=loss_fn, metrics=["accuracy"])
         if train and model.optimizer is None:
             raise UsageError("the compiled model has no optimizer; compile it with one")
+        if sample is not None:
+            build_metrics(model, *sample)  # Builds a model not yet built, as fit does.
         optimizer = model.optimizer
         if optimizer is not None:
             optimizer.build(model.trainable_variables)
-        if sample is not None:
-            build_metrics(model, *sample)
     return model, optimizer
 
 

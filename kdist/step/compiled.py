@@ -23,6 +23,7 @@ batch's rows + the model's losses.
 import keras
 import numpy as np
 from keras import ops
+from keras.src.backend import compute_output_spec  # Keras' symbolic call, as fit builds.
 from keras.src.backend import get_keras_mask, set_keras_mask  # A prediction's mask.
 
 from kdist import tree
@@ -95,18 +96,23 @@ def reported_metrics(model):
 
 
 def build_metrics(model, x, y, sample_weight=None):
-    """Builds the compiled loss and metrics from a few examples, then resets them.
+    """Builds the model (if its layers build at their first call), the compiled
+    loss and metrics from a few examples, then resets them.
 
-    Keras builds them at their first call; kdist makes that call eagerly,
-    before tracing, so every metric variable exists (in the engine's scope).
-    The seed generators' states are put back after it: a Keras RNN with
-    dropout draws its masks at every call, even outside training, and the
-    first step must draw what `fit`'s first step draws.
+    A model not yet built is built as `fit` builds it: by a symbolic call,
+    which assigns nothing (`_build_as_fit`). Keras builds the loss and
+    metrics at their first call; kdist makes that call eagerly, before
+    tracing, so every metric variable exists (in the engine's scope). The
+    model's variables are put back after it: a model may assign in its call
+    (a counter; a Keras RNN with dropout draws its masks, moving its seed
+    state, even outside training), and the first step must start where
+    `fit`'s first step starts.
     """
     if not model.compiled:
         raise UsageError("the model is not compiled: call model.compile(optimizer=..., "
                          "loss=..., metrics=[...]) in model_fn, as for fit")
-    seeds = [(v, ops.convert_to_numpy(v.value)) for v in seed_states(model)]
+    _build_as_fit(model, x)
+    kept = [(v, np.array(v.numpy())) for v in model.variables]
     y_pred = model(x, training=False)
     if model.loss is not None or type(model).compute_loss is not keras.Model.compute_loss:
         model.compute_loss(x, y, y_pred, sample_weight, training=False)
@@ -114,8 +120,24 @@ def build_metrics(model, x, y, sample_weight=None):
     _check_sums(model, (x, y, y_pred, sample_weight))
     for metric in model.metrics:
         metric.reset_state()
-    for variable, value in seeds:
+    for variable, value in kept:
         variable.assign(value)
+
+
+def _build_as_fit(model, x):
+    """Builds each layer of `model` not yet built as `fit` does, by calling it
+    on symbolic inputs shaped as `x` (`compute_output_spec`): the variables
+    are created and nothing is assigned. A model that cannot be called
+    symbolically is built by the eager call after (which says why if it
+    cannot be called at all)."""
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    spec = tree.map_arrays(
+        lambda a: keras.KerasTensor(a.shape, keras.backend.standardize_dtype(a.dtype)), x)
+    try:
+        compute_output_spec(model, spec, training=False)
+    except Exception:  # noqa: BLE001 - the eager call raises the model's own error.
+        pass
 
 
 def _check_sums(model, batch):
