@@ -212,6 +212,38 @@ def test_a_mid_epoch_resume_keeps_the_learning_rate_callbacks_set_at_the_epochs_
     assert worst <= 1e-6, f"the resumed run ends {worst} from the straight one"
 
 
+class HalveAtEpochEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        rate = self.model.optimizer.learning_rate
+        logs["learning_rate"] = float(keras.ops.convert_to_numpy(rate))  # The epoch's.
+        rate.assign(rate * 0.5)
+
+
+def test_a_resume_keeps_the_rate_a_callback_set_unless_another_rate_is_given(
+        tmp_path, small_dataset):
+    # The checkpoint holds the rate the callback halved; the run's own rate (the
+    # optimizer kdist builds) replaces it only where the resumed run gives another.
+    def train(name, epochs, rate=0.1):
+        lines = []
+        result = training.train_and_evaluate(
+            config(tmp_path, name, epochs=epochs, learning_rate=rate), small_dataset,
+            log=lines.append, callbacks=[HalveAtEpochEnd()], optimizer_fn=training.sgd)
+        return result, lines
+
+    straight, _ = train("straight", 3)
+    train("resumed", 1)
+    resumed, lines = train("resumed", 3)
+    assert not any("learning rate" in line for line in lines)
+    assert resumed.history["learning_rate"] == straight.history["learning_rate"] == \
+        pytest.approx([0.1, 0.05, 0.025])
+    worst = max(float(np.abs(a - b).max()) for a, b in
+                zip(resumed.model.get_weights(), straight.model.get_weights()))
+    assert worst <= 1e-6, f"the resumed run ends {worst} from the straight one"
+    changed, lines = train("resumed", 4, rate=0.02)
+    assert any("; learning rate 0.02 from now on" in line for line in lines), lines
+    assert changed.history["learning_rate"][3] == pytest.approx(0.02)
+
+
 def test_a_keras_backup_and_restore_is_refused_before_any_work(tmp_path, small_dataset):
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     with pytest.raises(kdist.UsageError, match="BackupAndRestore loads its own backup"):

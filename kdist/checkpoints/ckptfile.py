@@ -43,7 +43,8 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "step": int, "epoch": int, "step_in_epoch": int, "signature": list,
     "totals": (dict, type(None)), "history": list, "stopped": bool, "backend": str,
     "replicas": int, "global_batch_size": int, "seed": int, "workers": int,
-    "train_examples": (int, type(None)), "steps_per_epoch": (int, type(None))}
+    "train_examples": (int, type(None)), "steps_per_epoch": (int, type(None)),
+    "learning_rate": (float, int, type(None))}
 SEED_GROUP = "kdist_seed_generators"
 OPTIMIZED = "kdist_optimized"  # Which weights each optimizer updates (`_optimized`).
 

@@ -153,7 +153,8 @@ class Run:
         self._log_writes(log, progress, self.writer.save(
             self.model, step=step, metadata=dict(
                 position.as_metadata(), **self.order, backend=self.engine.backend,
-                replicas=self.engine.num_replicas, steps_per_epoch=self.steps)))
+                replicas=self.engine.num_replicas, steps_per_epoch=self.steps,
+                learning_rate=self.config.learning_rate)))
         self.saved_step, self.saved_time = step, time.monotonic()
 
     def report_writes(self, log, wait=False, progress=None):
@@ -223,7 +224,10 @@ def resume_position(config, manager, latest, model, step, order, own_shares=Fals
     path, meta = latest
     checkpoints.restore(model, path, hint="use another --checkpoint-dir, or --no-resume to "
                                           "start over")
-    if config.learning_rate is not None:  # kdist built the optimizer: the flag may change.
+    # kdist built the optimizer: a rate other than the checkpoint's run was given
+    # replaces the checkpoint's (the same one keeps what callbacks set).
+    changed_rate = config.learning_rate not in (None, meta.get("learning_rate"))
+    if changed_rate:
         model.optimizer.learning_rate.assign(config.learning_rate)
     position = records.Position.from_metadata(meta)
     written = {key: meta.get(key, now) for key, now in order.items()}  # Older: not all.
@@ -243,7 +247,9 @@ def resume_position(config, manager, latest, model, step, order, own_shares=Fals
     steps = meta.get("steps_per_epoch") if same_batch else None
     writer = (f"{meta['backend']} with {meta['replicas']} replica(s)" if "backend" in meta
               else "an older kdist")  # Format 1.
-    return position, f"resumed from {os.path.basename(path)} ({where}; written by {writer})", steps
+    rate = f"; learning rate {config.learning_rate:g} from now on" if changed_rate else ""
+    return (position, f"resumed from {os.path.basename(path)} ({where}; written by "
+                      f"{writer}){rate}", steps)
 
 
 def _check_mid_epoch(path, position, written, order, own_shares):
