@@ -9,6 +9,7 @@ logs, make the same decisions, and the runs end with the same weights.
 
 import csv
 import importlib.util
+import shutil
 
 import keras
 import numpy as np
@@ -84,7 +85,7 @@ def model_fn():
     return model
 
 
-def both(callbacks_fn, tmp_path, **settings):
+def both(callbacks_fn, tmp_path, model=model_fn, **settings):
     """(kdist's result, fit's model and History), each run with `callbacks_fn(side)`;
     both models are built after `keras.utils.set_random_seed(SEED)` (kdist's run
     does it, in each replica process on torch), so they start from the same weights."""
@@ -93,12 +94,12 @@ def both(callbacks_fn, tmp_path, **settings):
                                steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path / "ckpt"),
                                **settings)
     result = kdist.train_and_evaluate(
-        config, kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy"), model_fn=model_fn,
+        config, kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy"), model_fn=model,
         log=lambda line: None, callbacks=callbacks_fn("kdist"))
     if keras.backend.backend() == "jax":
         keras.distribution.set_distribution(None)
     keras.utils.set_random_seed(SEED)
-    reference, batches = model_fn(), KdistOrder()
+    reference, batches = model(), KdistOrder()
     history = reference.fit(batches, epochs=EPOCHS, shuffle=False, verbose=0,
                             validation_data=(TEST_X, TEST_Y), validation_batch_size=BATCH,
                             callbacks=[batches.follow, *callbacks_fn("fit")])
@@ -111,6 +112,39 @@ def assert_same_run(result, reference, history):
         assert result.history[key] == pytest.approx(values, rel=1e-5, abs=1e-6), key
     for ours, theirs in zip(result.model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def averaging_model_fn():
+    model = regularized_classifier()
+    model.compile(optimizer=keras.optimizers.SGD(0.5, use_ema=True, ema_momentum=0.9),
+                  loss=model.loss, metrics=["accuracy"], steps_per_execution=CHUNK)
+    return model
+
+
+def test_swap_ema_weights_acts_as_in_fit_and_a_resume_goes_on_from_the_weights(tmp_path):
+    # SwapEMAWeights(swap_on_epoch=True) holds the averages in the model from an
+    # epoch's end to the next one's beginning. The checkpoint there keeps the
+    # weights training goes on from: a run resumed from it, with a fresh callback,
+    # ends as the straight run.
+    def swapping(side):
+        return [keras.callbacks.SwapEMAWeights(swap_on_epoch=True)]
+
+    straight, reference, history = both(swapping, tmp_path, model=averaging_model_fn,
+                                        checkpoint_every=1, keep=EPOCHS)
+    assert_same_run(straight, reference, history)
+    (tmp_path / "resumed").mkdir()
+    shutil.copy(CheckpointManager(str(tmp_path / "ckpt")).paths()[0], tmp_path / "resumed")
+    config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
+                               batch_size_per_replica=BATCH // REPLICAS,
+                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path / "resumed"))
+    resumed = kdist.train_and_evaluate(
+        config, kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy"),
+        model_fn=averaging_model_fn, log=lambda line: None, callbacks=swapping("kdist"))
+    assert resumed.epochs[0]["epoch"] == 1 and len(resumed.epochs) == EPOCHS
+    for key, values in straight.history.items():
+        assert resumed.history[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
+    for ours, theirs in zip(resumed.model.get_weights(), straight.model.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
 def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit(tmp_path):

@@ -23,8 +23,9 @@ adds what data parallelism needs:
   callbacks at the end (`portable_states`, `take_states`).
 """
 
+import contextlib
 import pickle
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -108,6 +109,27 @@ class Hooks:
         """After a chunk whose last step is `step` of the epoch (from 0); `logs` are the
         epoch's results so far, as in `fit`."""
         self._call("on_train_batch_end", step, dict(logs))
+
+    @contextlib.contextmanager
+    def weights_in_model(self) -> Iterator[None]:
+        """While in, the model holds the weights training goes on from: a
+        `SwapEMAWeights(swap_on_epoch=True)` holds their moving averages there
+        from an epoch's end to the next one's beginning (its `on_epoch_begin`
+        swaps them back; a fresh one, after a resume, would not)."""
+        swapped = [c for c in self.callbacks.callbacks if isinstance(
+            c, keras.callbacks.SwapEMAWeights) and c._ema_weights_in_model]
+        self._swap(swapped)
+        try:
+            yield
+        finally:
+            self._swap(swapped)
+
+    def _swap(self, callbacks: Sequence[keras.callbacks.SwapEMAWeights]) -> None:
+        if callbacks:
+            self.engine.sync_to_model()
+            for callback in callbacks:
+                callback._swap_variables()
+            self.engine.sync_from_model()
 
     def poll_stop(self) -> bool:
         """Whether any worker's callback has set `model.stop_training`; a collective

@@ -152,7 +152,8 @@ def _train(run, log, stop, callbacks):
                 f"{position.step_in_epoch or run.steps}")
         if (stop or position.stopped or _checkpoint_due(config, position)
                 or run.periodic_due(position)):
-            run.save(position, log)
+            with calls.weights_in_model():
+                run.save(position, log)
         if record is not None:
             metrics.epoch(record)  # After its snapshot; a resume rewrites the file.
         if stop:
