@@ -239,6 +239,9 @@ def test_a_resume_keeps_the_rate_a_callback_set_unless_another_rate_is_given(
     worst = max(float(np.abs(a - b).max()) for a, b in
                 zip(resumed.model.get_weights(), straight.model.get_weights()))
     assert worst <= 1e-6, f"the resumed run ends {worst} from the straight one"
+    _, lines = train("resumed", 2)  # Fewer epochs than the checkpoint's: it says so.
+    assert any("(end of epoch 3, and epochs is 2: nothing left to train;" in line
+               for line in lines), lines
     changed, lines = train("resumed", 4, rate=0.02)
     assert any("; learning rate 0.02 from now on" in line for line in lines), lines
     assert changed.history["learning_rate"][3] == pytest.approx(0.02)

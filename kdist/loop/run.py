@@ -243,6 +243,8 @@ def resume_position(config, manager, latest, model, step, order, own_shares=Fals
              if position.step_in_epoch else f"end of epoch {position.epoch}")
     if position.stopped:
         where += ", where a callback stopped training: nothing left to train"
+    elif position.epoch >= config.epochs:
+        where += f", and --epochs is {config.epochs}: nothing left to train"
     same_batch = written["global_batch_size"] == order["global_batch_size"]
     steps = meta.get("steps_per_epoch") if same_batch else None
     writer = (f"{meta['backend']} with {meta['replicas']} replica(s)" if "backend" in meta
