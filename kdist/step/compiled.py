@@ -23,11 +23,13 @@ batch's rows + the model's losses.
 import keras
 import numpy as np
 from keras import ops
-from keras.src.backend import compute_output_spec  # Keras' symbolic call, as fit builds.
-from keras.src.backend import get_keras_mask, set_keras_mask  # A prediction's mask.
+from keras.src.backend import (  # Keras' symbolic call (as fit builds), a prediction's mask.
+    compute_output_spec,
+    get_keras_mask,
+    set_keras_mask,
+)
 
 from kdist import tree
-from kdist.checkpoints.ckptfile import seed_states
 from kdist.errors import UsageError
 from kdist.step import api
 from kdist.tree import leaves as data_leaves
