@@ -211,6 +211,20 @@ def test_starting_over_replaces_the_old_run_only_when_it_saves(tmp_path):
     assert [os.path.basename(p) for p in manager.paths()] == ["ckpt-00000050.weights.h5"]
 
 
+def test_a_checkpoint_whose_step_names_an_older_one_takes_the_next_free_name(tmp_path):
+    # After a resume with another global batch, epoch 4 at 9 steps an epoch is step
+    # 36, the name epoch 2 had at 18: both stay, as --keep says.
+    _, model = trained_model()
+    manager = checkpoints.CheckpointManager(str(tmp_path), keep=3)
+    manager.prepare()
+    for epoch, step in ((1, 18), (2, 36), (3, 54), (4, 36)):
+        manager.save(model, step, metadata=dict(epoch=epoch, history=[], seed=0))
+    assert [(os.path.basename(p), checkpoints.read_metadata(p)["epoch"])
+            for p in manager.paths()] == [("ckpt-00000036.weights.h5", 2),
+                                          ("ckpt-00000054.weights.h5", 3),
+                                          ("ckpt-00000055.weights.h5", 4)]
+
+
 def test_failed_flush_is_one_clear_error_and_removes_the_temporary_file(tmp_path, monkeypatch):
     model, manager, good = saved_once(tmp_path)
 

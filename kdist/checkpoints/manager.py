@@ -122,7 +122,7 @@ class CheckpointManager:
         """Writes a `Snapshot` as checkpoint `ckpt-<its step>` atomically and prunes old
         ones; returns its path. Raises `CheckpointError` (non-finite values, a failed
         write); earlier checkpoints stay as they were."""
-        final = os.path.join(self.directory, f"ckpt-{snapshot.step:08d}.weights.h5")
+        final = self._path_for(snapshot)
         try:
             data = ckptfile.finish(snapshot.taken, snapshot.metadata)
         except ckptfile.NonFiniteWeights as e:
@@ -138,6 +138,21 @@ class CheckpointManager:
                                   f"{e.strerror or e}") from None
         self._prune(final, progress(snapshot.metadata))
         return final
+
+    def _path_for(self, snapshot):
+        """`ckpt-<its step>`; where that name holds an older checkpoint (a resume
+        with another global batch numbers the steps by the new steps per epoch),
+        the step after the folder's highest, so no checkpoint is replaced before
+        pruning's turn. A newer one there belongs to a run this one replaces."""
+        final = os.path.join(self.directory, f"ckpt-{snapshot.step:08d}.weights.h5")
+        try:
+            older = progress(read_metadata(final)) < progress(snapshot.metadata)
+        except Exception:  # noqa: BLE001 - none there, or not kdist's (set aside).
+            return final
+        if not older:
+            return final
+        steps = [int(m.group(1)) for m in map(_NAME.match, os.listdir(self.directory)) if m]
+        return os.path.join(self.directory, f"ckpt-{max(steps) + 1:08d}.weights.h5")
 
     def _set_aside_foreign(self, final):
         """Renames a file kdist did not write that holds the name `final` needs."""
