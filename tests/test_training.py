@@ -273,8 +273,9 @@ def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
     names = [os.path.basename(p) for p in
              checkpoints.CheckpointManager(str(tmp_path / "run")).paths()]
     # 6 steps per epoch, then 3: epoch 1 ends at step 6, the interruption at 10,
-    # epochs 2 and 3 at 6 and 9.
-    assert names == ["ckpt-00000010.weights.h5", "ckpt-00000006.weights.h5",
+    # epochs 2 and 3 at 6 and 9; epoch 2's name is epoch 1's, which it does not
+    # replace: it takes the next free one, 11 (epoch 1's goes when epoch 3 saves).
+    assert names == ["ckpt-00000010.weights.h5", "ckpt-00000011.weights.h5",
                      "ckpt-00000009.weights.h5"]
     assert result.restored["checkpoint"].endswith("ckpt-00000009.weights.h5")
 
