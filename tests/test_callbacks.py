@@ -85,17 +85,21 @@ def model_fn():
     return model
 
 
+def on_kdist(callbacks, folder, model=model_fn, **settings):
+    """kdist's result of `model` with `callbacks`, checkpoints in `folder`."""
+    config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
+                               batch_size_per_replica=BATCH // REPLICAS,
+                               steps_per_execution=CHUNK, checkpoint_dir=str(folder), **settings)
+    return kdist.train_and_evaluate(
+        config, kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy"), model_fn=model,
+        log=lambda line: None, callbacks=callbacks)
+
+
 def both(callbacks_fn, tmp_path, model=model_fn, **settings):
     """(kdist's result, fit's model and History), each run with `callbacks_fn(side)`;
     both models are built after `keras.utils.set_random_seed(SEED)` (kdist's run
     does it, in each replica process on torch), so they start from the same weights."""
-    config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
-                               batch_size_per_replica=BATCH // REPLICAS,
-                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path / "ckpt"),
-                               **settings)
-    result = kdist.train_and_evaluate(
-        config, kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy"), model_fn=model,
-        log=lambda line: None, callbacks=callbacks_fn("kdist"))
+    result = on_kdist(callbacks_fn("kdist"), tmp_path / "ckpt", model, **settings)
     if keras.backend.backend() == "jax":
         keras.distribution.set_distribution(None)
     keras.utils.set_random_seed(SEED)
@@ -134,12 +138,7 @@ def test_swap_ema_weights_acts_as_in_fit_and_a_resume_goes_on_from_the_weights(t
     assert_same_run(straight, reference, history)
     (tmp_path / "resumed").mkdir()
     shutil.copy(CheckpointManager(str(tmp_path / "ckpt")).paths()[0], tmp_path / "resumed")
-    config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
-                               batch_size_per_replica=BATCH // REPLICAS,
-                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path / "resumed"))
-    resumed = kdist.train_and_evaluate(
-        config, kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy"),
-        model_fn=averaging_model_fn, log=lambda line: None, callbacks=swapping("kdist"))
+    resumed = on_kdist(swapping("kdist"), tmp_path / "resumed", averaging_model_fn)
     assert resumed.epochs[0]["epoch"] == 1 and len(resumed.epochs) == EPOCHS
     for key, values in straight.history.items():
         assert resumed.history[key] == pytest.approx(values, rel=1e-6, abs=1e-7), key
