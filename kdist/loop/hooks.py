@@ -166,8 +166,11 @@ def portable_states(callbacks: Sequence[keras.callbacks.Callback]) -> list[dict[
 def take_states(callbacks: Sequence[keras.callbacks.Callback],
                 states: list[dict[str, Any]] | None, model: keras.Model | None) -> None:
     """Gives `callbacks` the attributes of `states` (the chief replica process's
-    copies') and `model`, the trained model, as `fit` leaves them with its model."""
+    copies') and `model`, the trained model, as `fit` leaves them with its model.
+    The model is set as an attribute: `fit` calls `set_model` once, before
+    training, and a callback's own `set_model` may write (Keras' `TensorBoard`
+    writes the model's summary there)."""
     for callback, state in zip(callbacks, states or [{}] * len(callbacks), strict=True):
         vars(callback).update(state)
         if model is not None:
-            callback.set_model(model)
+            callback._model = model
