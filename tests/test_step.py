@@ -12,6 +12,7 @@ from keras import ops
 
 import kdist
 from kdist import engines
+from kdist.inputs import arrays
 from kdist.loop import chunks
 from kdist.models import losses
 from kdist.step import context
@@ -518,3 +519,64 @@ def test_each_update_in_a_step_reads_the_weights_the_update_before_it_wrote(tmp_
     for history in histories[1:]:
         for key in ("critic_1", "critic_2", "generator"):
             np.testing.assert_allclose(history[key], histories[0][key], rtol=1e-5, err_msg=key)
+
+
+class BuildsAtFirstCall(keras.Model):
+    """An own step whose model makes its weights at its first call (no `Input`, as a
+    subclassed model or a `Sequential` without one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def train_step(self, data):
+        x, y = data
+
+        def loss_fn():
+            return ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, self(x, training=True), from_logits=True))
+
+        loss, grads = kdist.value_and_grad(loss_fn, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+class FirstWeights(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.weights = [np.array(w) for w in self.model.get_weights()]
+
+
+def test_an_own_step_whose_model_builds_at_its_first_call_is_built_as_fit_builds_it(tmp_path):
+    """`fit` builds such a model by a symbolic call before its first step (kdist
+    refused it: "value_and_grad with respect to nothing"). An epoch on SEVERAL
+    replicas equals SGD on the softmax's gradient written in NumPy, from the
+    weights the run began with, over kdist's batches."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 5)).astype(np.float32)
+    y = rng.integers(0, 3, 64).astype(np.int32)
+
+    def model_fn():
+        model = BuildsAtFirstCall()
+        model.compile(optimizer=keras.optimizers.SGD(0.5))
+        return model
+
+    first = FirstWeights()
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=16 // SEVERAL,
+                               replicas=SEVERAL, seed=3, checkpoint_dir=str(tmp_path),
+                               progress=False)
+    result = kdist.train_and_evaluate(config, kdist.Dataset(x, y, x, y, "toy"),
+                                      model_fn=model_fn, callbacks=[first],
+                                      log=lambda line: None)
+    kernel, bias = first.weights
+    for rows in arrays.epoch_order(len(x), 3, 0).reshape(-1, 16):
+        logits = x[rows] @ kernel + bias
+        gradient = np.exp(logits - logits.max(1, keepdims=True))
+        gradient /= gradient.sum(1, keepdims=True)
+        gradient[np.arange(16), y[rows]] -= 1  # d(mean cross-entropy)/d(logits), x16.
+        gradient /= 16
+        kernel, bias = kernel - 0.5 * x[rows].T @ gradient, bias - 0.5 * gradient.sum(0)
+    for ours, theirs in zip(result.model.get_weights(), (kernel, bias), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)

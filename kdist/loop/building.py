@@ -23,7 +23,7 @@ from kdist.models.cnn import create_model
 from kdist.precision import policy
 from kdist.step import optimizer as step_optimizer
 from kdist.step import program
-from kdist.step.compiled import build_metrics
+from kdist.step.compiled import build_as_fit, build_metrics
 
 
 def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
@@ -41,10 +41,11 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     (`auc`, not `auc` then `auc_1`).
 
     A model that `model_fn` returns compiled (optimizer, loss, metrics, as
-    for `fit`) is used as it is. An uncompiled one is compiled here with
-    `optimizer_fn(learning_rate)` (default Adam; none when `train` is
-    false), `loss_fn` (default sparse cross-entropy from logits) and the
-    accuracy metric. The optimizer is built eagerly in scope (on TF,
+    for `fit`) is used as it is. A model not yet built, its own step's too,
+    is built as `fit` builds it, by a symbolic call on `sample`'s shapes.
+    An uncompiled one is compiled here with `optimizer_fn(learning_rate)`
+    (default Adam; none when `train` is false), `loss_fn` (default sparse
+    cross-entropy from logits) and the accuracy metric. The optimizer is built eagerly in scope (on TF,
     building it later inside a replica function fails with 2+ replicas,
     keras#23085), so `save_weights` writes and `load_weights` restores its
     state with the weights. `sample`, a few (x, y) rows, builds the
@@ -60,8 +61,10 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
                     "model_fn returned a model with its own train_step: its optimizers and "
                     "losses are its own, so optimizer_fn, loss_fn and learning_rate must be "
                     "None")
-            if sample is not None and getattr(model, "_compile_metrics", None) is not None:
-                build_metrics(model, *sample)  # Its step may update the compiled metrics.
+            if sample is not None:
+                build_as_fit(model, sample[0])  # Before its step reads its variables.
+                if getattr(model, "_compile_metrics", None) is not None:
+                    build_metrics(model, *sample)  # Its step may update them.
             return model, None
         if model.compiled:
             if optimizer_fn is not None or loss_fn is not None or learning_rate is not None:

@@ -102,7 +102,7 @@ def build_metrics(model, x, y, sample_weight=None):
     loss and metrics from a few examples, then resets them.
 
     A model not yet built is built as `fit` builds it: by a symbolic call,
-    which assigns nothing (`_build_as_fit`). Keras builds the loss and
+    which assigns nothing (`build_as_fit`). Keras builds the loss and
     metrics at their first call; kdist makes that call eagerly, before
     tracing, so every metric variable exists (in the engine's scope). The
     model's variables are put back after it: a model may assign in its call
@@ -113,7 +113,7 @@ def build_metrics(model, x, y, sample_weight=None):
     if not model.compiled:
         raise UsageError("the model is not compiled: call model.compile(optimizer=..., "
                          "loss=..., metrics=[...]) in model_fn, as for fit")
-    _build_as_fit(model, x)
+    build_as_fit(model, x)
     kept = [(v, np.array(v.numpy())) for v in model.variables]
     y_pred = model(x, training=False)
     if model.loss is not None or type(model).compute_loss is not keras.Model.compute_loss:
@@ -126,7 +126,7 @@ def build_metrics(model, x, y, sample_weight=None):
         variable.assign(value)
 
 
-def _build_as_fit(model, x):
+def build_as_fit(model, x):
     """Builds each layer of `model` not yet built as `fit` does, by calling it
     on symbolic inputs shaped as `x` (`compute_output_spec`): the variables
     are created and nothing is assigned. A model that cannot be called
