@@ -45,8 +45,9 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     is built as `fit` builds it, by a symbolic call on `sample`'s shapes.
     An uncompiled one is compiled here with `optimizer_fn(learning_rate)`
     (default Adam; none when `train` is false), `loss_fn` (default sparse
-    cross-entropy from logits) and the accuracy metric. The optimizer is built eagerly in scope (on TF,
-    building it later inside a replica function fails with 2+ replicas,
+    cross-entropy from logits) and the accuracy metric. The optimizer is
+    built eagerly in scope (on TF, building it later inside a replica
+    function fails with 2+ replicas,
     keras#23085), so `save_weights` writes and `load_weights` restores its
     state with the weights. `sample`, a few (x, y) rows, builds the
     compiled loss and metrics (`kdist.step.build`).
