@@ -235,11 +235,18 @@ def test_kdist_evaluate_restores_a_step_of_your_own_from_its_file(tmp_path, caps
     assert status == 0 and f"{path}: Test d_loss: " in out and ", Test g_loss: " in out, out
 
 
+MINE_PARTS = """import keras
+
+def classifier():
+    return keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
+                             keras.layers.Dense(10)])
+"""
+
 MINE = """import keras
+from kdist_test_mine_parts import classifier  # A module beside the file.
 
 def model():
-    model = keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Flatten(),
-                              keras.layers.Dense(10)])
+    model = classifier()
     model.compile(optimizer=keras.optimizers.SGD(0.1), metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     return model
@@ -249,7 +256,8 @@ def model():
 def test_kdist_train_and_evaluate_take_your_compiled_model_from_a_file(tmp_path, capsys,
                                                                         monkeypatch):
     """`kdist-train --model mine.py` trains the file's compiled model (its optimizer,
-    loss and metrics) with the CLI's flags and checkpoints; `kdist-evaluate --model
+    loss and metrics; built by a module beside the file, as `python mine.py` would
+    import it) with the CLI's flags and checkpoints; `kdist-evaluate --model
     mine.py` (or `mine:model`, the module's function) restores it with the same
     accuracy."""
     from kdist.cli import evaluate
@@ -257,6 +265,7 @@ def test_kdist_train_and_evaluate_take_your_compiled_model_from_a_file(tmp_path,
 
     path, folder = tmp_path / "mine.py", str(tmp_path / "ckpt")
     path.write_text(MINE)
+    (tmp_path / "kdist_test_mine_parts.py").write_text(MINE_PARTS)
     common = ["--synthetic", "1200", "--checkpoint-dir", folder, "--model", str(path)]
     assert train_cli.main([*common, "--epochs", "1", "--steps-per-epoch", "6", "--quiet",
                            "--replicas", str(SEVERAL)]) == 0
@@ -276,6 +285,7 @@ def test_kdist_train_and_evaluate_take_your_compiled_model_from_a_file(tmp_path,
     ("def model(:\n", "{path}", "does not run: SyntaxError"),
     ("x = 1\n", "{path}", "defines no function model()"),
     ("def model():\n    pass\n", "{path}:build", "defines no function build()"),
+    ("def model(size):\n    pass\n", "{path}", "calls model() with no arguments"),
     (None, "kdist_no_such_module:build", "no such file, nor a module Python can import"),
 ])
 def test_model_file_mistakes_are_one_line(tmp_path, capsys, command, text, spec, message):
@@ -290,5 +300,24 @@ def test_model_file_mistakes_are_one_line(tmp_path, capsys, command, text, spec,
     with pytest.raises(SystemExit) as exit_:
         main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--synthetic", "240",
               "--model", spec.format(path=path)])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("def model():\n    pass\n", "model() returned NoneType, not a Keras model"),
+    ("import keras\ndef model():\n    return keras.Sequential([keras.Input((28, 28, 1)), "
+     "keras.layers.Flatten(), keras.layers.Dense(10)])\n", "returned a model that is not compiled"),
+])
+def test_a_model_file_whose_function_builds_no_compiled_model_is_one_line(tmp_path, capsys, text,
+                                                                          message):
+    """An uncompiled model would be compiled with kdist's defaults, not the flags'."""
+    from kdist.cli import train as train_cli
+
+    path = tmp_path / "mine.py"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as exit_:
+        train_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--synthetic", "240",
+                        "--epochs", "1", "--batch-size-per-replica", "8", "--model", str(path)])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err.splitlines()[-1]

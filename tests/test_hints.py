@@ -51,6 +51,7 @@ def prepare_folder(tmp_path, prepare):
     ("train", ["--metrics-file", "{tmp}/none/m.jsonl"], None, "--metrics-file"),
     ("train", ["--model", "{tmp}/mine.py", "--learning-rate", "0.1"], "model file",
      "--learning-rate"),
+    ("train", ["--model", "{tmp}/mine.py", "--optimizer", "sgd"], "model file", "--optimizer"),
     ("train", ["--model", "{tmp}/none.py"], None, "--model"),
     ("evaluate", ["--checkpoint-dir", "{tmp}/ck", "--data-dir", "{tmp}/none"], "other model",
      "--data-dir"),

@@ -203,6 +203,14 @@ def test_an_uncompiled_model_is_a_clear_error():
         build_metrics(model, np.zeros((2, 3), np.float32), np.zeros((2, 1), np.float32))
 
 
+def test_a_model_fn_that_returns_no_model_is_a_clear_error(tmp_path):
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=8, checkpoint_dir=str(tmp_path),
+                               progress=False)
+    with pytest.raises(kdist.UsageError, match="^model_fn returned NoneType, not a Keras model"):
+        kdist.train_and_evaluate(config, kdist.synthetic_fashion_mnist(60, seed=0),
+                                 model_fn=lambda: None, log=lambda line: None)
+
+
 class Constant(keras.layers.Layer):
     """x + w (w a weight, 0) that adds `value`, one tensor made once, as its loss at
     every call."""

@@ -199,14 +199,21 @@ def check_model_file(spec):
 
 def model_function(spec):
     """The function `--model spec` names: FN (default `model`) of a Python file
-    (`mine.py`, `mine.py:build`) or of an importable module (`mine:build`)."""
+    (`mine.py`, `mine.py:build`) or of an importable module (`mine:build`),
+    wrapped so that what it returns is checked (`_checked_model`). A file's
+    folder is put first on `sys.path`, as `python FILE.py` does, so the file
+    imports the modules beside it (in torch's replica processes too)."""
     import importlib
     import importlib.util
+    import inspect
 
     check_model_file(spec)
     where, name = _model_spec(spec)
     try:
         if where.endswith(".py"):
+            folder = os.path.dirname(os.path.abspath(where))
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
             loaded = importlib.util.spec_from_file_location("kdist_user_model", where)
             module = importlib.util.module_from_spec(loaded)  # type: ignore[arg-type]
             loaded.loader.exec_module(module)  # type: ignore[union-attr]
@@ -214,7 +221,34 @@ def model_function(spec):
             module = importlib.import_module(where)
     except Exception as e:  # A file that does not run: one line, as for other flags.
         raise errors.UsageError(f"--model {spec} does not run: {type(e).__name__}: {e}") from e
-    if not callable(getattr(module, name, None)):
+    function = getattr(module, name, None)
+    if not callable(function):
         raise errors.UsageError(f"--model {spec} defines no function {name}() that builds "
                                 "the model")
-    return getattr(module, name)
+    try:
+        inspect.signature(function).bind()
+    except TypeError as e:
+        raise errors.UsageError(f"--model {spec}: kdist calls {name}() with no arguments, "
+                                f"and it needs some ({e})") from e
+    except ValueError:  # A callable whose signature Python cannot read: it is called.
+        pass
+    return functools.partial(_checked_model, function, f"--model {spec}: {name}()")
+
+
+def _checked_model(function, named):
+    """`function()`, a compiled Keras model or one with its own `train_step`;
+    anything else is a UsageError naming the flag (`named`). kdist would compile
+    an uncompiled one with its defaults, which are not the flags'."""
+    import keras
+
+    from kdist.step import program
+
+    model = function()
+    if not isinstance(model, keras.Model):
+        raise errors.UsageError(f"{named} returned {type(model).__name__}, not a Keras model: "
+                                "return the model it builds")
+    if not model.compiled and not program.defines(model, "train_step"):
+        raise errors.UsageError(f"{named} returned a model that is not compiled: compile it "
+                                "there with its optimizer, loss and metrics, as for fit (or "
+                                "give it its own train_step)")
+    return model

@@ -27,10 +27,10 @@ def train_parser(description=None, model_flag=True):
     add_config_flags(parser)
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar (it is also off when stdout is not a terminal)")
-    parser.add_argument("--optimizer", choices=tuple(config.OPTIMIZERS),
-                        default=config.DEFAULT_OPTIMIZER,
+    parser.add_argument("--optimizer", choices=tuple(config.OPTIMIZERS), default=None,
                         help="the optimizer; sgd is plain SGD, for exact comparisons between "
-                             "runs; --learning-rate applies to any (default: %(default)s)")
+                             "runs; --learning-rate applies to any (default: "
+                             f"{config.DEFAULT_OPTIMIZER})")
     if model_flag:
         common.add_model_flag(parser, "your model, compiled as for fit (its optimizer, loss "
                                       "and metrics; --optimizer and --learning-rate then do "
@@ -65,9 +65,12 @@ def _train(args, model_fn=None):
     model_file = getattr(args, "model", None)  # --model: its function, no flags.
     if model_file:
         common.check_model_file(model_file)
-        if args.learning_rate is not None:
-            raise UsageError(f"--learning-rate: the model of --model {model_file} has its own "
-                             "optimizer; set its learning rate there")
+        for flag, value in (("--optimizer", args.optimizer),
+                            ("--learning-rate", args.learning_rate)):
+            if value is not None:
+                raise UsageError(f"{flag}: the model of --model {model_file} brings its own "
+                                 "optimizer; set it where the model is built")
+    args.optimizer = args.optimizer or config.DEFAULT_OPTIMIZER  # A script's model reads it.
     stop = kdist.StopRequest()
     supervised = follow_launcher(stop)  # Under kdist-launch: stop when it is gone.
     spec = common.cluster_spec(args)

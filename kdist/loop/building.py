@@ -54,6 +54,9 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     """
     with engine.scope(), policy(precision), _names_from(names):
         model = model_fn()
+        if not isinstance(model, keras.Model):
+            raise UsageError(f"model_fn returned {type(model).__name__}, not a Keras model: "
+                             "return the model it builds")
         _refuse_outside_scope(engine, model)
         _refuse_stateful(model)
         if program.defines(model, "train_step"):  # The model's own step.
