@@ -356,3 +356,33 @@ def test_epochs_score_the_weights_and_the_run_ends_with_the_moving_averages(tmp_
     # restored evaluation reported.
     in_hand = result.model.evaluate(X[:20], Y[:20], batch_size=20, verbose=0, return_dict=True)
     assert abs(in_hand["loss"] - restored["test_loss"]) <= 1e-5, (in_hand, restored)
+
+
+def test_a_model_kdist_compiles_with_an_averaging_optimizer_fn_ends_with_the_averages(tmp_path):
+    """`model_fn` returns the model uncompiled and `optimizer_fn` averages: as for a
+    compiled model, the restored evaluation and the model in hand hold the
+    averages (the restored model had no optimizer, and scored the trained
+    weights: the last epoch's figure); the model in hand has the checkpoint's
+    optimizer, so `fit` goes on from it. `evaluate_checkpoint` reads the
+    averages when given the run's `optimizer_fn`."""
+    def averaging(learning_rate):
+        return keras.optimizers.SGD(learning_rate, use_ema=True, ema_momentum=0.5)
+
+    def uncompiled():
+        return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="relu"),
+                                 keras.layers.Dense(CLASSES)])
+
+    cfg = config(tmp_path, "ema", epochs=1, steps_per_epoch=4, learning_rate=0.5)
+    result = training.train_and_evaluate(cfg, tiny_dataset(), uncompiled, optimizer_fn=averaging,
+                                         log=lambda line: None)
+    last, restored = result.epochs[-1], result.restored
+    assert abs(restored["test_loss"] - last["test_loss"]) > 1e-3  # The averages'.
+    in_hand = result.model.evaluate(X[:20], Y[:20], batch_size=20, verbose=0, return_dict=True)
+    assert abs(in_hand["loss"] - restored["test_loss"]) <= 1e-5, (in_hand, restored)
+    assert iterations(result.model.optimizer) == (4, 4)
+    path, data = restored["checkpoint"], tiny_dataset()
+    again = evaluation.evaluate_checkpoint(path, data, uncompiled, optimizer_fn=averaging,
+                                           batch_size=8)
+    assert abs(again["test_loss"] - restored["test_loss"]) <= TOLERANCE
+    weights = evaluation.evaluate_checkpoint(path, data, uncompiled, batch_size=8)
+    assert abs(weights["test_loss"] - last["test_loss"]) <= TOLERANCE

@@ -44,7 +44,8 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     for `fit`) is used as it is. A model not yet built, its own step's too,
     is built as `fit` builds it, by a symbolic call on `sample`'s shapes.
     An uncompiled one is compiled here with `optimizer_fn(learning_rate)`
-    (default Adam; none when `train` is false), `loss_fn` (default sparse
+    (default Adam; none when `train` is false and no `optimizer_fn` is given:
+    with one, a checkpoint's moving averages can be read), `loss_fn` (default sparse
     cross-entropy from logits) and the accuracy metric. The optimizer is
     built eagerly in scope (on TF, building it later inside a replica
     function fails with 2+ replicas,
@@ -77,7 +78,7 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
                     "loss are used, so optimizer_fn, loss_fn and learning_rate must be None")
         else:
             optimizer = (optimizer_fn or adam)(learning_rate or DEFAULT_LEARNING_RATE) \
-                if train else None
+                if train or optimizer_fn is not None else None
             if loss_fn is None and compute_loss is None:
                 loss_fn = losses.sparse_categorical_crossentropy
             model.compile(optimizer=optimizer, loss=loss_fn, metrics=["accuracy"])

@@ -26,11 +26,15 @@ def evaluate_checkpoint(
         batch_size: int = TrainConfig.batch_size_per_replica,
         steps_per_execution: int = TrainConfig.steps_per_execution, *,
         precision: str | None = TrainConfig.precision,
-        seed: int = TrainConfig.seed) -> dict[str, Any]:
+        seed: int = TrainConfig.seed,
+        optimizer_fn: Callable[[float], keras.optimizers.Optimizer] | None = None,
+) -> dict[str, Any]:
     """Restores `path` into a fresh model with no distribution and evaluates it.
 
     With an optimizer compiled with `use_ema=True`, the model evaluated holds
-    the optimizer's moving averages, as `fit` ends.
+    the optimizer's moving averages, as `fit` ends: for a model `model_fn`
+    returns uncompiled, give the run's `optimizer_fn` (without it the model
+    has no optimizer, and the raw weights are evaluated).
 
     The model is built under dtype policy `precision` (`kdist.precision`;
     None: Keras' global policy): a checkpoint of any precision restores into
@@ -40,18 +44,23 @@ def evaluate_checkpoint(
     True, "checkpoint": path, "test_loss": ..., and test_ each metric}.
     """
     return restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
-                                steps_per_execution, precision=precision, seed=seed)[1]
+                                steps_per_execution, precision=precision, seed=seed,
+                                optimizer_fn=optimizer_fn)[1]
 
 
 def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
-                         steps_per_execution, *, precision, seed, names=None):
+                         steps_per_execution, *, precision, seed, names=None,
+                         optimizer_fn=None, learning_rate=None):
     """`evaluate_checkpoint`, returning (the restored model, its results); `names`:
-    Keras' name counters of the run (`kdist.loop.building.object_names`)."""
+    Keras' name counters of the run (`kdist.loop.building.object_names`);
+    `optimizer_fn` and `learning_rate` compile a model `model_fn` returns
+    uncompiled, as the run did."""
     prepared = sources.prepare(dataset, splits=("test",))
     engine = engines.create_engine(distributed=False)
     model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
-                                         model_fn, loss_fn=loss_fn, compute_loss=compute_loss,
-                                         train=False, precision=precision, names=names)
+                                         model_fn, optimizer_fn, learning_rate, loss_fn=loss_fn,
+                                         compute_loss=compute_loss, train=False,
+                                         precision=precision, names=names)
     checkpoints.restore(model, path, hint="evaluate it with the model it was trained with",
                         optimizers=False)  # Evaluation does not read their state,
     finalize_weights(model)  # but with use_ema=True the model fit ends with holds its averages.
@@ -68,7 +77,8 @@ def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_s
 
 def model_in_hand(result: TrainingResult, prepared: base.Prepared,
                   model_fn: Callable[[], keras.Model], loss_fn: Any, compute_loss: Any,
-                  config: TrainConfig, names: dict | None = None) -> TrainingResult:
+                  config: TrainConfig, names: dict | None = None,
+                  optimizer_fn: Any = None) -> TrainingResult:
     """`result` with its model: built by `model_fn` with no distribution (unless the
     restored evaluation built it already), holding `result.weights`; `names` as
     `restore_and_evaluate`'s. A model built here holds the newest checkpoint's
@@ -79,8 +89,8 @@ def model_in_hand(result: TrainingResult, prepared: base.Prepared,
     engine = engines.create_engine(distributed=False)
     model, _ = building.prepare_model(
         engine, config.batch_size_per_replica, building.sample_rows(prepared), model_fn,
-        loss_fn=loss_fn, compute_loss=compute_loss, train=False, precision=config.precision,
-        names=names)
+        optimizer_fn, config.learning_rate, loss_fn=loss_fn, compute_loss=compute_loss,
+        train=False, precision=config.precision, names=names)
     latest = checkpoints.CheckpointManager(config.checkpoint_dir).latest()
     if latest is not None:
         checkpoints.restore(model, latest[0], optimizers=False)

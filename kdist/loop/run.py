@@ -31,6 +31,7 @@ class Run:
                  names=None):
         self.config, self.dataset, self.names = config, dataset, names
         self.model_fn, self.loss_fn, self.compute_loss = model_fn, loss_fn, compute_loss
+        self.optimizer_fn = optimizer_fn
         self.engine = engines.create_engine(config.replicas)
         self.global_batch = config.batch_size_per_replica * self.engine.num_replicas
         # Steps per epoch: None while unknown (a pipeline of unknown length), then

@@ -109,7 +109,8 @@ def train_and_evaluate(
         # the process that started it builds the model and takes the callbacks' state.
         return dataclasses.replace(result, model=None,
                                    callback_states=hooks.portable_states(callbacks))
-    result = model_in_hand(result, prepared, model_fn, loss_fn, compute_loss, config, names)
+    result = model_in_hand(result, prepared, model_fn, loss_fn, compute_loss, config, names,
+                           optimizer_fn)
     hooks.take_states(callbacks, result.callback_states, result.model)
     return dataclasses.replace(result, callback_states=None)
 
@@ -174,7 +175,7 @@ def _train(run, log, stop, callbacks):
     model, restored = restore_and_evaluate(
         latest[0], run.dataset, run.model_fn, run.loss_fn, run.compute_loss, run.global_batch,
         config.steps_per_execution, precision=config.precision, seed=config.seed,
-        names=run.names)
+        names=run.names, optimizer_fn=run.optimizer_fn, learning_rate=config.learning_rate)
     log(f"Restored {latest[0]} without distribution: "
         f"{reporting.format_results(restored, 'test_')}")
     metrics.restored(restored)
