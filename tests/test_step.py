@@ -588,3 +588,50 @@ def test_an_own_step_whose_model_builds_at_its_first_call_is_built_as_fit_builds
         kernel, bias = kernel - 0.5 * x[rows].T @ gradient, bias - 0.5 * gradient.sum(0)
     for ours, theirs in zip(result.model.get_weights(), (kernel, bias), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+class NoisyEvaluation(keras.Model):
+    """A test step that adds `kdist.random` noise to its inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+        self.dense.build((None, 4))
+        self.opt = keras.optimizers.SGD(0.1)
+
+    def train_step(self, data):
+        x, y = data
+
+        def loss_fn():
+            return ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, self.dense(x), from_logits=True))
+
+        loss, grads = kdist.value_and_grad(loss_fn, self.dense.trainable_variables)
+        self.opt.apply(grads, self.dense.trainable_variables)
+        return {"loss": loss}
+
+    def test_step(self, data):
+        x, y = data
+        noisy = self.dense(x + kdist.random.normal(ops.shape(x)))
+        return {"loss": ops.mean(keras.losses.sparse_categorical_crossentropy(
+            y, noisy, from_logits=True))}
+
+
+def test_evaluate_checkpoint_draws_a_test_steps_numbers_as_the_run_did(tmp_path):
+    """The draws are cut per evaluation batch: by default `evaluate_checkpoint`
+    evaluates in the global batch of the run that wrote the checkpoint (it used
+    64, and reported another figure than the run's restored evaluation)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    dataset = kdist.Dataset(x[:192], y[:192], x[192:], y[192:], "toy")
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=16 // SEVERAL,
+                               replicas=SEVERAL, seed=0, checkpoint_dir=str(tmp_path),
+                               progress=False)
+    result = kdist.train_and_evaluate(config, dataset, model_fn=NoisyEvaluation,
+                                      log=lambda line: None)
+    path, figure = result.restored["checkpoint"], result.restored["test_loss"]
+    again = kdist.evaluate_checkpoint(path, dataset, model_fn=NoisyEvaluation)
+    assert again["test_loss"] == pytest.approx(figure, rel=1e-6)
+    other = kdist.evaluate_checkpoint(path, dataset, model_fn=NoisyEvaluation, batch_size=64)
+    assert abs(other["test_loss"] - figure) > 1e-3  # Other batches, other draws.

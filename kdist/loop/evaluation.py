@@ -23,7 +23,7 @@ def evaluate_checkpoint(
         model_fn: Callable[[], keras.Model] = create_model,
         loss_fn: Callable[[Any, Any], Any] | None = None,
         compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
-        batch_size: int = TrainConfig.batch_size_per_replica,
+        batch_size: int | None = None,
         steps_per_execution: int = TrainConfig.steps_per_execution, *,
         precision: str | None = TrainConfig.precision,
         seed: int = TrainConfig.seed,
@@ -39,13 +39,27 @@ def evaluate_checkpoint(
     The model is built under dtype policy `precision` (`kdist.precision`;
     None: Keras' global policy): a checkpoint of any precision restores into
     any (its variables are float32). `dataset` is a `kdist.Dataset` or a `kdist.Inputs` (only its
-    test data is read). `seed` is the run's: a test step's `kdist.random`
-    draws come from it, as in each epoch's evaluation. Returns {"restored":
+    test data is read). `batch_size` (default: the global batch of the run
+    that wrote `path`, as its metadata records it) and `seed` (the run's) cut
+    and draw a test step's `kdist.random` numbers as each epoch's evaluation
+    did. Returns {"restored":
     True, "checkpoint": path, "test_loss": ..., and test_ each metric}.
     """
+    if batch_size is None:
+        batch_size = _global_batch_of(path)
     return restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
                                 steps_per_execution, precision=precision, seed=seed,
                                 optimizer_fn=optimizer_fn)[1]
+
+
+def _global_batch_of(path):
+    """The global batch of the run that wrote checkpoint `path`; kdist's default
+    batch where the file does not say (restoring it reports why it cannot)."""
+    try:
+        recorded = checkpoints.read_metadata(path).get("global_batch_size")
+    except Exception:  # noqa: BLE001 (`restore` raises the clear error for the file)
+        recorded = None
+    return recorded or TrainConfig.batch_size_per_replica
 
 
 def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
