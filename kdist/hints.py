@@ -28,8 +28,9 @@ from kdist.errors import KdistError
 _ON_COMMAND_LINE = contextvars.ContextVar("kdist_on_command_line", default=False)
 
 # Flags whose keyword is not their name with underscores, besides the switches
-# (`_switches`): the join's timeout is an argument of `kdist.connect`.
-_KEYWORDS = {"--connect-timeout": "kdist.connect's timeout"}
+# (`_switches`): the join's timeout is an argument of `kdist.connect`; the
+# model a file's function builds is `model_fn`'s.
+_KEYWORDS = {"--connect-timeout": "kdist.connect's timeout", "--model": "model_fn"}
 # A flag, with the number that follows it, if any ("--replicas 4" -> "replicas=4"). Not
 # part of a longer word: "XLA_FLAGS=--xla_force_host_platform_device_count" stays.
 _FLAG = re.compile(r"(?<![\w/.=-])--([a-z][a-z0-9-]*)(?![\w-])(?: (-?\d[\d.]*)(?![\w/.-]))?")

@@ -166,7 +166,7 @@ def test_evaluating_a_checkpoint_of_another_model_names_no_training_flag(tmp_pat
     result = script(EVALUATE, "--synthetic", "600", "--checkpoint-dir", str(tmp_path))
     assert result.returncode == 1
     assert result.stderr == (f"evaluate.py: error: {path} was written for a different model; "
-                             "evaluate it with the model it was trained with\n")
+                             "evaluate it with the model it was trained with (--model)\n")
     flags = set(re.findall(r"--[a-z-]+", script(EVALUATE, "--help").stdout))
     assert set(re.findall(r"--[a-z-]+", result.stderr)) <= flags
 

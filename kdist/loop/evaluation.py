@@ -75,9 +75,11 @@ def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_s
                                          model_fn, optimizer_fn, learning_rate, loss_fn=loss_fn,
                                          compute_loss=compute_loss, train=False,
                                          precision=precision, names=names)
-    checkpoints.restore(model, path, hint="evaluate it with the model it was trained with",
-                        optimizers=False)  # Evaluation does not read their state,
-    finalize_weights(model)  # but with use_ema=True the model fit ends with holds its averages.
+    # Evaluation does not read the optimizers' state (`optimizers=False`), but with
+    # use_ema=True the model fit ends with holds their averages.
+    checkpoints.restore(model, path, optimizers=False,
+                        hint="evaluate it with the model it was trained with (--model)")
+    finalize_weights(model)
     if not step.evaluates:
         raise UsageError(f"{type(model).__name__} defines train_step but no test_step; "
                          "define test_step(data) to evaluate it")
