@@ -28,6 +28,7 @@ from keras.src.backend import (  # Keras' symbolic call (as fit builds), a predi
     get_keras_mask,
     set_keras_mask,
 )
+from keras.src.backend.common import global_state  # Keras' name scopes.
 
 from kdist import tree
 from kdist.errors import UsageError
@@ -136,10 +137,13 @@ def build_as_fit(model, x):
         return
     spec = tree.map_arrays(
         lambda a: keras.KerasTensor(a.shape, keras.backend.standardize_dtype(a.dtype)), x)
+    scopes = global_state.get_global_attribute("name_scope_stack", default=[],
+                                               set_to_default=True)
+    entered = list(scopes)
     try:
         compute_output_spec(model, spec, training=False)
     except Exception:  # noqa: BLE001 - the eager call raises the model's own error.
-        pass
+        scopes[:] = entered  # A failed symbolic call on TensorFlow leaves its scopes open.
 
 
 def _check_sums(model, batch):
