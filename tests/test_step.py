@@ -635,3 +635,57 @@ def test_evaluate_checkpoint_draws_a_test_steps_numbers_as_the_run_did(tmp_path)
     assert again["test_loss"] == pytest.approx(figure, rel=1e-6)
     other = kdist.evaluate_checkpoint(path, dataset, model_fn=NoisyEvaluation, batch_size=64)
     assert abs(other["test_loss"] - figure) > 1e-3  # Other batches, other draws.
+
+
+class SumPenalties(keras.Model):
+    """Keras losses with reduction="sum" over a kernel (a weight penalty) and, inside
+    a `value_and_grad` with respect to the inputs, over the batch (a gradient
+    penalty: each example's gradient is its own)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+        self.dense.build((None, 4))
+        self.opt = keras.optimizers.SGD(0.1)
+        self.summed = keras.losses.MeanSquaredError(reduction="sum")
+
+    def train_step(self, data):
+        x, y = data
+
+        def loss_fn():
+            def outputs(inputs):
+                return self.summed(ops.zeros((ops.shape(inputs)[0], 2)), self.dense(inputs))
+
+            slopes = kdist.grad(outputs, x)
+            gradient_penalty = ops.mean(ops.sum(ops.square(slopes), axis=1))
+            weight_penalty = self.summed(ops.zeros(self.dense.kernel.shape), self.dense.kernel)
+            loss = ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, self.dense(x), from_logits=True))
+            return loss + gradient_penalty + weight_penalty, (gradient_penalty, weight_penalty)
+
+        (loss, (gradient, weight)), grads = kdist.value_and_grad(
+            loss_fn, self.dense.trainable_variables)
+        self.opt.apply(grads, self.dense.trainable_variables)
+        return {"loss": loss, "gradient_penalty": gradient, "weight_penalty": weight}
+
+
+def test_keras_sums_over_a_kernel_or_inside_an_input_gradient_train_as_on_one_replica(tmp_path):
+    """Only a sum over the replica's rows stands for its share of the global
+    batch's sum. On TensorFlow's 2 replicas (torch's processes alike) the weight
+    penalty was doubled and the gradient penalty quadrupled: this run diverged."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+    runs = []
+    for replicas in (1, SEVERAL):
+        config = kdist.TrainConfig(epochs=2, batch_size_per_replica=16 // replicas,
+                                   replicas=replicas, seed=0, progress=False,
+                                   checkpoint_dir=str(tmp_path / str(replicas)))
+        keras.utils.set_random_seed(0)
+        runs.append(kdist.train_and_evaluate(config, kdist.Dataset(x, y, x, y, "toy"),
+                                             model_fn=SumPenalties, log=lambda line: None))
+    one, several = runs
+    for name in ("loss", "gradient_penalty", "weight_penalty"):
+        assert several.history[name] == pytest.approx(one.history[name], rel=1e-5), name
+    for ours, theirs in zip(several.model.get_weights(), one.model.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)

@@ -54,12 +54,15 @@ def value_and_grad(fn: Any, wrt: Any) -> tuple[Any, Any]:
         raise UsageError("kdist.value_and_grad with respect to variables inside the loss of "
                          "another value_and_grad; nest gradients with respect to tensors "
                          "only (a gradient penalty's input)")
+    own_rows = not variables  # Each example's gradient is its own.
     context.depth += 1
+    context.own_rows += own_rows
     try:
         value, var_grads, tensor_grads = context.primitives.value_and_grad(
             context, fn, variables, tensors)
     finally:
         context.depth -= 1
+        context.own_rows -= own_rows
     if variables and all(g is None for g in var_grads):
         raise UsageError("the loss given to kdist.value_and_grad reads none of the variables "
                          f"it is differentiated with respect to ({_names(variables)}); pass "

@@ -140,6 +140,9 @@ class StepContext:
         self.draws_taken = 0
         self.skipped: list[Any] = []  # Per LossScaleOptimizer.apply: 1.0 where it skipped.
         self.depth = 0  # `value_and_grad` calls in progress.
+        # Those of them with respect to tensors only: their losses reduce over the
+        # replica's own rows (`kdist.step.reductions`), so each example's gradient is its own.
+        self.own_rows = 0
         self.applying = False  # Inside an optimizer's `apply`.
         self.control_flow = 0  # Keras control-flow ops in progress (`kdist.step.optimizer`).
         self.refusal: Exception | None = None  # The error an `apply` in one of them raised.

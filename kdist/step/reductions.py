@@ -10,12 +10,16 @@ sample weights. On one device the batch is the global batch.
 Where R replicas each hold an equal, disjoint share of the global batch
 (TensorFlow's replicas, torch's processes), kdist averages their losses and
 gradients (`kdist.step.api`). So a replica's loss must be R times its share
-of the global batch's loss: its sum times R ("sum"), its weighted sum over
+of the global batch's loss: its sum times R ("sum", of values with a row per
+example of the replica's batch: a sum over anything else, such as a kernel,
+is the same on every replica and stays as it is), its weighted sum over
 the global batch's valid entries or sample weights, which the replicas sum
 (`Primitives.sum_over_shares`: one all-reduce of the counts, which carry no
 gradient). A mean over all entries without a mask needs nothing: every
 share has the same size. Where one program sees the whole batch (JAX, or a
-batch every replica evaluates whole), Keras' own functions run unchanged.
+batch every replica evaluates whole), and inside a `value_and_grad` with
+respect to tensors only (whose gradients are each example's own, not
+averaged), Keras' own functions run unchanged.
 """
 
 import contextlib
@@ -44,17 +48,20 @@ def over_global_batch():
 
 
 def _shares():
-    """The primitives of a running step whose batch R > 1 replicas share, else None."""
+    """The context of a running step whose batch R > 1 replicas share, outside a
+    `value_and_grad` with respect to tensors only; else None."""
     context = step_context.active_or_none()
-    if context is None or context.dry or context.primitives.replicas_sharing() == 1:
+    if (context is None or context.dry or context.own_rows
+            or context.primitives.replicas_sharing() == 1):
         return None
-    return context.primitives
+    return context
 
 
 def _apply_mask(sample_weight, mask, dtype, reduction):
-    primitives = _shares()
-    if primitives is None or mask is None or reduction not in ("mean", "sum_over_batch_size"):
+    context = _shares()
+    if context is None or mask is None or reduction not in ("mean", "sum_over_batch_size"):
         return _KERAS["apply_mask"](sample_weight, mask, dtype, reduction)
+    primitives = context.primitives
     # Keras' weights, total / valid for a valid entry, with the global batch's counts.
     total = ops.cast(ops.prod(ops.convert_to_tensor(ops.shape(mask), dtype="int32")), dtype)
     valid = ops.sum(ops.cast(mask, dtype=dtype))
@@ -64,7 +71,8 @@ def _apply_mask(sample_weight, mask, dtype, reduction):
 
 
 def _reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
-    primitives = _shares()
+    context = _shares()
+    primitives = None if context is None else context.primitives
     if primitives is not None and reduction == "mean_with_sample_weight" and (
             sample_weight is not None and tuple(values.shape) not in ((), (0,))):
         loss = ops.sum(values)
@@ -73,6 +81,7 @@ def _reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
         replicas = ops.cast(primitives.replicas_sharing(), loss.dtype)
         return ops.divide_no_nan(loss, total / replicas)
     loss = _KERAS["reduce_values"](values, sample_weight, reduction)
-    if primitives is not None and reduction == "sum" and tuple(values.shape) not in ((), (0,)):
+    if (primitives is not None and reduction == "sum" and len(values.shape)
+            and values.shape[0] == context.rows):  # A row per example: the share's sum.
         return loss * ops.cast(primitives.replicas_sharing(), loss.dtype)
     return loss
