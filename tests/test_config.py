@@ -52,13 +52,17 @@ def test_flags_parse_into_the_config():
 
 
 def test_optimizer_choices_and_other_defaults_come_from_one_place():
+    # --optimizer's default is None (given with --model, it is an error) and means adam.
     action = next(a for a in train_cli.train_parser()._actions if a.dest == "optimizer")
-    assert tuple(action.choices) == tuple(kdist.OPTIMIZERS) and action.default == "adam"
+    assert tuple(action.choices) == tuple(kdist.OPTIMIZERS) and action.default is None
+    assert config.DEFAULT_OPTIMIZER == "adam" and "(default: adam)" in action.help
     assert training.OPTIMIZERS is kdist.OPTIMIZERS and training.adam is kdist.OPTIMIZERS["adam"]
     batch, spe = kdist.TrainConfig.batch_size_per_replica, kdist.TrainConfig.steps_per_execution
+    # evaluate_checkpoint's batch: the run's, from the checkpoint; else the config's default.
     parameters = inspect.signature(evaluation.evaluate_checkpoint).parameters
     assert (parameters["batch_size"].default, parameters["steps_per_execution"].default) == (
-        batch, spe)
+        None, spe)
+    assert evaluation._global_batch_of(os.devnull) == batch
     from kdist.bench import measure
 
     assert measure.run.__defaults__[1:] == (batch, None, choices.WINDOWS, spe, print)
