@@ -412,16 +412,23 @@ def test_a_step_reads_and_clips_an_embeddings_gradient_as_one_tensor(tmp_path):
                                [-0.125, -0.125, -0.125, -0.25, -0.125, 0.0], rtol=1e-6)
 
 
-class OwnLossScaled(keras.Model):
-    """A step that scales the averaged gradients by its replica's own loss."""
+class DenseThree(keras.Model):
+    """One Dense layer of 3 units, built at its first call (no `Input`)."""
 
     def __init__(self):
         super().__init__()
         self.dense = keras.layers.Dense(3)
-        self.opt = keras.optimizers.SGD(0.1)
 
     def call(self, x):
         return self.dense(x)
+
+
+class OwnLossScaled(DenseThree):
+    """A step that scales the averaged gradients by its replica's own loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.opt = keras.optimizers.SGD(0.1)
 
     def train_step(self, data):
         x, y = data
@@ -529,16 +536,9 @@ def test_each_update_in_a_step_reads_the_weights_the_update_before_it_wrote(tmp_
             np.testing.assert_allclose(history[key], histories[0][key], rtol=1e-5, err_msg=key)
 
 
-class BuildsAtFirstCall(keras.Model):
+class BuildsAtFirstCall(DenseThree):
     """An own step whose model makes its weights at its first call (no `Input`, as a
     subclassed model or a `Sequential` without one)."""
-
-    def __init__(self):
-        super().__init__()
-        self.dense = keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.dense(x)
 
     def train_step(self, data):
         x, y = data

@@ -44,14 +44,13 @@ def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
     for `fit`) is used as it is. A model not yet built, its own step's too,
     is built as `fit` builds it, by a symbolic call on `sample`'s shapes.
     An uncompiled one is compiled here with `optimizer_fn(learning_rate)`
-    (default Adam; none when `train` is false and no `optimizer_fn` is given:
-    with one, a checkpoint's moving averages can be read), `loss_fn` (default sparse
-    cross-entropy from logits) and the accuracy metric. The optimizer is
-    built eagerly in scope (on TF, building it later inside a replica
-    function fails with 2+ replicas,
-    keras#23085), so `save_weights` writes and `load_weights` restores its
-    state with the weights. `sample`, a few (x, y) rows, builds the
-    compiled loss and metrics (`kdist.step.build`).
+    (default Adam; none when `train` is false and no `optimizer_fn` is
+    given: with one, a checkpoint's moving averages can be read), `loss_fn`
+    (default sparse cross-entropy from logits) and the accuracy metric. The
+    optimizer is built eagerly in scope (on TF, building it later inside a
+    replica function fails with 2+ replicas, keras#23085), so `save_weights`
+    writes and `load_weights` restores its state with the weights. `sample`,
+    a few (x, y) rows, builds the compiled loss and metrics (`kdist.step.build`).
     """
     with engine.scope(), policy(precision), _names_from(names):
         model = model_fn()
