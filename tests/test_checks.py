@@ -3,6 +3,7 @@
 import pytest
 from test_training import config
 
+from kdist import checkpoints
 from kdist.loop import chunks, training
 from kdist.runtime.startup import UsageError
 
@@ -40,3 +41,21 @@ def test_steps_per_execution_is_capped_at_the_epoch_and_the_eval_batches(
     # and a tail of 9, twice: the epoch's evaluation and the restored model's.
     assert stacked == [3, 31, 31]
     assert "; steps_per_execution=40 capped at 3, the steps of an epoch" in lines[0]
+
+
+@pytest.mark.any_backend  # The loop's banner, the same for every engine.
+@pytest.mark.parametrize("asked, note", [
+    (100, "; steps_per_epoch=100 capped at 16, the full global batches of the data"),
+    (16, None),  # Exactly what the data holds: nothing to say.
+])
+def test_steps_per_epoch_above_the_data_is_capped_with_a_note(tmp_path, small_dataset,
+                                                              asked, note):
+    lines = []
+    cfg = config(tmp_path, "ck", epochs=1, steps_per_epoch=asked, steps_per_execution=16)
+    training.train_and_evaluate(cfg, small_dataset, log=lines.append)
+    # 512 training examples make 16 global batches of 32 (2 replicas x 16).
+    saved = checkpoints.read_metadata(checkpoints.latest_checkpoint(cfg.checkpoint_dir))
+    assert saved["step"] == 16
+    batch_line = next(line for line in lines[0].splitlines() if line.startswith("Batch:"))
+    assert "16 steps per epoch" in batch_line, batch_line
+    assert (note in batch_line) if note else ("capped" not in batch_line), batch_line

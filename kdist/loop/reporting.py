@@ -36,7 +36,8 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
         f"Replicas: {engine.num_replicas} ({devices})",
         f"Batch: {config.batch_size_per_replica} per replica, {global_batch} global; "
         f"{'as many' if steps is None else steps} steps per epoch"
-        f"{' as the data holds' if steps is None else ''}, {_count(config.epochs, 'epoch')}" + (
+        f"{' as the data holds' if steps is None else ''}, {_count(config.epochs, 'epoch')}"
+        + _capped_epoch(config, steps, global_batch, dataset.size("train")) + (
             f"; --steps-per-execution {config.steps_per_execution} capped at {chunk}, the "
             "steps of an epoch" if chunk is not None and chunk < config.steps_per_execution
             else ""),
@@ -46,6 +47,16 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
     ] + ([f"Precision: {precision}" + (
         " (dynamic loss scaling)" if precision == "mixed_float16" else "")]
          if precision != "float32" else []))
+
+
+def _capped_epoch(config, steps, global_batch, examples):
+    """"; --steps-per-epoch 50 capped at 15, the full global batches of the data" where
+    `config.steps_per_epoch` asks for more steps than the training data fills."""
+    asked = config.steps_per_epoch
+    full = None if examples is None else examples // global_batch
+    if asked is None or steps is None or steps != full or asked <= steps:
+        return ""
+    return f"; --steps-per-epoch {asked} capped at {steps}, the full global batches of the data"
 
 
 def _count(number, noun):
