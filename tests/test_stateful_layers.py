@@ -533,3 +533,51 @@ def test_a_count_undeclared_that_differs_per_replica_is_named(tmp_path):
             "\\('(sequential\\w*/)?positives/positives'\\): the step assigns them "
             "from each replica's own share of the batch; a count")):
         run()
+
+
+# -- LoRA: Keras writes a kernel with its factors merged, and zeroes them on load ------
+
+
+def lora_mlp(lora=True):
+    """Two Dense layers fine-tuned with rank-2 LoRA factors (their kernels frozen)."""
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                              keras.layers.Dense(3)])
+    if lora:
+        for layer in model.layers:
+            layer.enable_lora(2)
+    model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def test_a_lora_run_resumes_as_the_uninterrupted_run(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(320, 8)).astype("float32")
+    y = np.argmax(x @ rng.normal(size=(8, 3)), axis=1).astype("int32")
+    dataset = kdist.Dataset(x[:256], y[:256], x[256:], y[256:], source="toy data")
+
+    def run(name, epochs):
+        cfg = training.TrainConfig(epochs=epochs, batch_size_per_replica=32 // SEVERAL,
+                                   replicas=SEVERAL, checkpoint_every=1, seed=3,
+                                   checkpoint_dir=str(tmp_path / name))
+        return training.train_and_evaluate(cfg, dataset, model_fn=lora_mlp,
+                                           log=lambda line: None)
+
+    straight = run("straight", 2)
+    run("resumed", 1)
+    resumed = run("resumed", 2)  # Epoch 2 from the checkpoint of epoch 1.
+    assert without_timing(resumed.epochs) == without_timing(straight.epochs)
+    for part in (lambda m: m.variables, lambda m: m.optimizer.variables):
+        mine, theirs = values(part(resumed.model)), values(part(straight.model))
+        assert len(mine) == len(theirs)
+        for a, b in zip(mine, theirs):
+            np.testing.assert_array_equal(a, b)
+    # The model in hand holds the trained factors, not Keras' zeros.
+    factors = [v for v in straight.model.trainable_variables if "lora_kernel" in v.path]
+    assert len(factors) == 4 and all(np.abs(f).max() > 0 for f in values(factors))
+    # Keras' own load_weights reads the kernel merged: the same function without LoRA.
+    no_distribution()
+    stock = lora_mlp(lora=False)
+    stock.load_weights(checkpoints.latest_checkpoint(str(tmp_path / "straight")))
+    np.testing.assert_allclose(stock.predict(x[256:], verbose=0),
+                               straight.model.predict(x[256:], verbose=0), rtol=1e-5, atol=1e-5)

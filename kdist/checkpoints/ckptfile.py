@@ -7,16 +7,11 @@ bytes, in name order). A file is trusted only if its checksum matches and
 every floating-point value in it is finite. Format 1 files (no checksum) are
 still read; for them only the finiteness is checked.
 
-The file also holds, in the group `kdist_seed_generators`, the state of
-every `keras.random.SeedGenerator` of the model (Dropout's, and any layer's
-that draws random numbers), one dataset per generator in the order of
-`model.variables`. `save_weights` leaves them out (they are not weights), so
-without them a resumed run would draw the dropout masks of its first steps
-again instead of those the uninterrupted run draws next. Keras' own
-`load_weights` ignores the group; files without it load with the model's
-generators as they are. A root attribute `kdist_optimized` names the weights
-each optimizer updates (their indices in `model.weights`), so a resume whose
-model trains other weights is refused, not given their state.
+The file also holds what `save_weights` leaves out or changes: the seed
+generators' state and the unmerged variables of layers with LoRA enabled
+(`kdist.checkpoints.unsaved`). A root attribute `kdist_optimized` names the
+weights each optimizer updates (their indices in `model.weights`), so a
+resume whose model trains other weights is refused, not given their state.
 
 Keras writes the file into memory (`Buffer`), and kdist copies the bytes to
 disk with plain file I/O: a full disk then raises `OSError` in Python instead
@@ -33,6 +28,7 @@ import json
 import h5py
 import numpy as np
 
+from kdist.checkpoints import unsaved
 from kdist.errors import InvalidCheckpoint, NonFiniteWeights
 
 FORMAT = "kdist-checkpoint-2"
@@ -45,7 +41,6 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "replicas": int, "global_batch_size": int, "seed": int, "workers": int,
     "train_examples": (int, type(None)), "steps_per_epoch": (int, type(None)),
     "learning_rate": (float, int, type(None))}
-SEED_GROUP = "kdist_seed_generators"
 OPTIMIZED = "kdist_optimized"  # Which weights each optimizer updates (`_optimized`).
 
 
@@ -58,17 +53,14 @@ class Buffer(io.BytesIO):
 
 def snapshot(model):
     """The checkpoint file of `model` as it is now, in memory, without kdist's
-    state: Keras' `save_weights` output plus the seed generators' state. The
-    model may change afterwards; the snapshot does not."""
+    state: Keras' `save_weights` output plus what it leaves out
+    (`kdist.checkpoints.unsaved`). The model may change afterwards; the
+    snapshot does not."""
     buffer = Buffer()
     model.save_weights(buffer)
-    seeds = seed_states(model)
     with h5py.File(buffer, "a") as f:
         f.attrs[OPTIMIZED] = json.dumps(_optimized(model))
-        if seeds:
-            group = f.create_group(SEED_GROUP)
-            for i, variable in enumerate(seeds):
-                group[str(i)] = np.array(variable.numpy())
+        unsaved.write(model, f)
     return buffer
 
 
@@ -158,8 +150,8 @@ def verify(data):
 
 
 def load(model, data, optimizers=True):
-    """Loads verified checkpoint bytes `data` into `model` (and its optimizer), its
-    seed generators' state included.
+    """Loads verified checkpoint bytes `data` into `model` (and its optimizer), with
+    what `save_weights` leaves out (`kdist.checkpoints.unsaved`).
 
     A checkpoint moves between precisions (`kdist.precision`): the
     variables are float32 under every policy, and the optimizer state is
@@ -167,8 +159,8 @@ def load(model, data, optimizers=True):
     only (`_fit_optimizer_layout`). Raises InvalidCheckpoint, before
     loading anything, if `optimizers` (training goes on from the file) and
     the file holds another count of state variables than one of the model's
-    built optimizers has (`_check_optimizer_state`); after, if it holds the
-    state of another number of seed generators than the model has.
+    built optimizers has (`_check_optimizer_state`); after, if it holds
+    another count of seed generators or LoRA variables than the model has.
     """
     data = _fit_optimizer_layout(data, getattr(model, "optimizer", None))
     with h5py.File(Buffer(data), "r") as f:
@@ -176,19 +168,7 @@ def load(model, data, optimizers=True):
             _check_optimizer_state(f, model)
     model.load_weights(Buffer(data))
     with h5py.File(Buffer(data), "r") as f:
-        if SEED_GROUP not in f:
-            return
-        group, seeds = f[SEED_GROUP], seed_states(model)
-        if len(group) != len(seeds):
-            raise InvalidCheckpoint(f"it holds the state of {len(group)} random seed "
-                                    f"generator(s); the model has {len(seeds)}")
-        for i, variable in enumerate(seeds):
-            variable.assign(group[str(i)][()].astype(variable.dtype))
-
-
-def seed_states(model):
-    """The state variables of the model's `keras.random.SeedGenerator`s, in order."""
-    return [v for v in model.variables if v.path.endswith("seed_generator_state")]
+        unsaved.read(model, f)
 
 
 def _check_optimizer_state(f, model):
