@@ -208,3 +208,33 @@ def test_workers_sharing_a_machine_share_its_cores(local):
         assert threads == [0, 0]  # TensorFlow's own choice, as before kdist.
     else:
         assert threads == [cores, cores]
+
+
+# A fresh process joins a one-worker cluster and says whether Python's, NumPy's and
+# Keras' global random state are as before (and TensorFlow's global seed, where loaded).
+RANDOM_STATE_AFTER_JOINING = """
+import random, sys
+sys.path.insert(0, {repo!r})
+import numpy as np
+import keras
+from keras.src.utils import rng_utils
+from kdist import engines
+from kdist.workers import cluster
+before = random.getstate(), np.random.get_state()[1].tolist()
+engines.connect(cluster.ClusterSpec(1, 0, ("127.0.0.1:{port}",), 60.0, source="test"))
+tf = sys.modules.get("tensorflow.python.eager.context")
+print(before == (random.getstate(), np.random.get_state()[1].tolist()),
+      rng_utils.get_random_seed(), tf and tf.global_seed())
+"""
+
+
+def test_joining_the_workers_leaves_the_random_state_as_it_was():
+    # keras.distribution.initialize (JAX) seeds them all with a number drawn anew in
+    # every run where Keras has no seed: a tf.data shuffle built after kdist.connect
+    # took another order in every run, and on resume, than in one process.
+    script = RANDOM_STATE_AFTER_JOINING.format(repo=REPO, port=free_ports(1)[0])
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-3:] == ["True", "None", "None"], result.stdout
