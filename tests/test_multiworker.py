@@ -177,6 +177,9 @@ def assert_stopped_together(tmp_path, out, pids):
     assert not [pid for pid in pids if alive(pid)]
     steps = stop_steps(out)
     assert sorted(steps) == [0, 1] and steps[0] == steps[1], "".join(out)
+    # Worker 1 names the chief's folder, not the folder of its own it wrote into.
+    (other,) = [line for line in out if line.startswith("[worker 1] interrupted: ")]
+    assert f"saved worker 0's checkpoint in {tmp_path / 'ckpt'};" in other, other
     saved = os.listdir(tmp_path / "ckpt")
     assert len(saved) == 1
     meta = checkpoints.read_metadata(str(tmp_path / "ckpt" / saved[0]))

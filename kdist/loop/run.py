@@ -8,6 +8,7 @@ and evaluates one epoch; `save` checkpoints a position.
 
 import dataclasses
 import math
+import os
 import time
 import warnings
 
@@ -71,7 +72,7 @@ class Run:
                 own_shares=getattr(dataset.train, "own_shares", False))
             self.steps = self.steps if self.steps is not None else steps
             self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
-                                               self.global_batch)
+                                               self.global_batch, self.engine.shard[1])
             self.engine.compile_steps(self.step)
             self.saved_step = self.position.global_step(self.steps or 0)
             self.saved_time = time.monotonic()
@@ -166,7 +167,8 @@ class Run:
         """At a stop: waits for the writes in flight, then for every worker (one
         `any_worker`, also where the chief's write failed), so that no worker exits
         before the chief's checkpoint is on disk (a launcher stops the others when
-        one exits). Logs the writes; returns the newest path."""
+        one exits). Logs the writes; returns the newest path (on another worker,
+        which writes into a folder of its own, since removed: the chief's folder)."""
         try:
             paths, failure = self.writer.written(wait=True), None
         except CheckpointError as error:
@@ -174,7 +176,9 @@ class Run:
         self.engine.any_worker(failure is not None)
         if failure is not None:
             raise failure
-        return self._log_writes(log, None, paths)[-1]
+        newest = self._log_writes(log, None, paths)[-1]
+        return newest if self.engine.is_chief else (
+            f"worker 0's checkpoint in {os.path.abspath(self.config.checkpoint_dir)}")
 
     @staticmethod
     def _log_writes(log, progress, paths):
