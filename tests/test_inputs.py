@@ -382,6 +382,20 @@ def test_a_function_of_the_epoch_resumes_mid_epoch_exactly(tmp_path):
             "if it yields the same batches as before") in banner
 
 
+@pytest.mark.any_backend  # The banner's note, the same for every engine.
+def test_a_resumed_function_told_its_shard_drops_its_share_of_the_trained_batches():
+    def told(epoch, shard):
+        return iter(())
+
+    def untold(epoch):
+        return iter(())
+
+    # 8 global batches of 16 trained, 2 workers: each function told its shard drops 64.
+    for make, dropped in ((told, 64), (untold, 128)):
+        note = pipelines.resume_note(pipelines.GeneratorSource(make, "train"), 8, 16, 2)
+        assert f"its first {dropped} examples dropped" in note, note
+
+
 def own_shares(told):
     """A train function yielding this replica's rows of each global batch of 32 (torch:
     one process each); it marks each shard it is told with a file in the folder `told`."""

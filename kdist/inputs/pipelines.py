@@ -237,11 +237,12 @@ def _has_parameter(function, name):
         return False
 
 
-def resume_note(source, step_in_epoch, global_batch):
+def resume_note(source, step_in_epoch, global_batch, workers=1):
     """What the banner adds when `source` resumes mid-epoch by reading and
-    dropping what was trained: a function's batches may differ from call to call."""
+    dropping what was trained: a function's batches may differ from call to call.
+    A function told its shard drops its share of the `workers`' global batches."""
     if not step_in_epoch or source.kind != "function":
         return ""
-    return (f"; the train function is called again and its first "
-            f"{step_in_epoch * global_batch:,} examples dropped: exact if it yields the "
-            "same batches as before")
+    dropped = step_in_epoch * global_batch // (workers if source.own_shares else 1)
+    return (f"; the train function is called again and its first {dropped:,} examples "
+            "dropped: exact if it yields the same batches as before")
