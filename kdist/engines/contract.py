@@ -91,6 +91,10 @@ class Engine(Protocol):
     """Replicas over all workers: the global batch is this times the per-replica batch."""
     num_local_replicas: int
     """This process's replicas: a batch it feeds must divide by this."""
+    batch_shares: int
+    """How many replicas each run the steps on an equal, disjoint share of every
+    global batch: `num_replicas` where each runs a program of its own
+    (TensorFlow, torch), 1 where one program sees the global batch (JAX)."""
     devices: list[str | None]
     """This process's devices, for the banner (None: the framework's default device)."""
     shard: tuple[int, int]

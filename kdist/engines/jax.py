@@ -130,6 +130,7 @@ class Engine(contract.Engine):
             self.num_replicas = 1
             self.shard = (0, 1)
         self.num_local_replicas = self.num_replicas // self.shard[1]
+        self.batch_shares = 1  # One program, over every process, sees the global batch.
         self.is_chief = jax.process_index() == 0
         # Set before any Keras object exists, so variables are laid out on the mesh.
         keras.distribution.set_distribution(self.distribution)

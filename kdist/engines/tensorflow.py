@@ -47,6 +47,7 @@ class Engine(contract.Engine):
             self.devices = [None]  # No placement: TF's default device.
         self.num_replicas = self.strategy.num_replicas_in_sync
         self.num_local_replicas = len(self.devices)
+        self.batch_shares = self.num_replicas  # Each replica runs its own step.
         self._sum_over_replicas = None  # The tf.function of `any_worker`, traced once.
 
     def scope(self):

@@ -130,6 +130,7 @@ class Engine(contract.Engine):
         self._group = grouped and world > 1
         rank = dist.get_rank() if grouped else 0
         self.num_replicas, self.num_local_replicas = world, 1
+        self.batch_shares = world  # Each process runs its own step.
         self.shard, self.is_chief = (rank, world), rank == 0
         self.device = _device()
         self.devices = [str(self.device)]

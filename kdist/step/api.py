@@ -71,6 +71,10 @@ def value_and_grad(fn: Any, wrt: Any) -> tuple[Any, Any]:
         raise UsageError("the loss given to kdist.value_and_grad does not depend on a tensor "
                          "it is differentiated with respect to; pass that tensor to the "
                          "model inside the function, as its argument")
+    if variables and context.dry:  # What `Program.build` checks.
+        context.overwritten.update({id(v): v for v, g in zip(variables, var_grads)
+                                    if g is not None and getattr(v, "overwrite_with_gradient",
+                                                                 False)})
     if variables and not context.dry:
         var_grads = context.primitives.mean_over_replicas(var_grads)
     var_iter, tensor_iter = iter(var_grads), iter(tensor_grads)

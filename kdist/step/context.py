@@ -150,6 +150,8 @@ class StepContext:
         # When dry, {id: variable} the step assigns, and those it applies optimizers to.
         self.assigned: dict[int, Any] = {}
         self.applied_to: dict[int, Any] = {}
+        # When dry, {id: variable} differentiated whose "gradient" is its next value.
+        self.overwritten: dict[int, Any] = {}
 
     @contextlib.contextmanager
     def active(self, mapping=()):

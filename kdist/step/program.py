@@ -171,6 +171,7 @@ class Program:
         self._take_variables()
         for phase, context in contexts.items():
             self._refuse_outside(phase, context)
+            _refuse_overwritten(context, engine.batch_shares)
         self.keys = ("count", "skipped") + tuple(f"{k}_sum" for k in self.scalar_keys) + tuple(
             metric_key(i) for i in range(len(self.metric_variables)))
 
@@ -298,3 +299,20 @@ def _value(logged):
 
 def _unique(items):
     return list({id(item): item for item in items}.values())
+
+
+def _refuse_overwritten(context, shares):
+    """A `UsageError` where replicas each run the step on a share of the batch and
+    it differentiates a variable whose "gradient" is its next value (Keras'
+    `overwrite_with_gradient`: float8 training's scales and amax histories):
+    each replica's comes from its own share, and no average of them is the
+    global batch's (the largest magnitude in it)."""
+    overwritten = list(context.overwritten.values())
+    if overwritten and shares > 1:
+        paths = ", ".join(v.path for v in overwritten[:2])
+        more = f" and {len(overwritten) - 2} more" if len(overwritten) > 2 else ""
+        raise UsageError(
+            f"{paths}{more} take their gradient as their next value (float8 training's "
+            f"scales and amax histories); {shares} replicas each compute it from their own "
+            "share of the batch, which kdist cannot combine into the global batch's: train "
+            "float8 on one replica, or on JAX")
