@@ -465,10 +465,17 @@ def test_the_keras_guides_own_train_step_with_compiled_metrics_trains_as_fit(rep
     assert ours["accuracy"] == pytest.approx(theirs["accuracy"][0], abs=1e-6)
 
 
+def batch_sum_of_squares(y_true, y_pred):
+    """A loss function returning one number for its batch: the sum over every row."""
+    return ops.sum(ops.square(y_true - y_pred))
+
+
 def counted_losses():
-    """Three outputs whose losses Keras divides by a count of the batch, or not at all:
-    a masked sequence (sparse cross-entropy over the valid steps: Embedding's mask
-    reaches the per-step logits), a sum, and a mean over the sample weights."""
+    """Five outputs whose losses Keras divides by a count of the batch, or not at all,
+    or computes over the whole batch: a masked sequence (sparse cross-entropy over the
+    valid steps: Embedding's mask reaches the per-step logits), a sum, a mean over the
+    sample weights, Dice over the batch (its default axis=None) and a function that
+    sums over the batch."""
     tokens = keras.Input((5,), dtype="int32")
     hidden = keras.layers.Dense(6, activation="tanh")(
         keras.layers.Embedding(7, 4, mask_zero=True)(tokens))
@@ -476,13 +483,17 @@ def counted_losses():
     model = keras.Model(tokens, {
         "steps": keras.layers.Dense(3, name="steps")(hidden),
         "total": keras.layers.Dense(1, activation="sigmoid", name="total")(pooled),
-        "weighted": keras.layers.Dense(1, name="weighted")(pooled)})
+        "weighted": keras.layers.Dense(1, name="weighted")(pooled),
+        "overlap": keras.layers.Dense(1, activation="sigmoid", name="overlap")(pooled),
+        "spread": keras.layers.Dense(2, name="spread")(pooled)})
     model.compile(
         optimizer=keras.optimizers.SGD(0.2),
         loss={"steps": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               "total": keras.losses.BinaryCrossentropy(reduction="sum"),
-              "weighted": keras.losses.MeanSquaredError(reduction="mean_with_sample_weight")},
-        loss_weights={"steps": 1.0, "total": 0.05, "weighted": 1.0},
+              "weighted": keras.losses.MeanSquaredError(reduction="mean_with_sample_weight"),
+              "overlap": keras.losses.Dice(), "spread": batch_sum_of_squares},
+        loss_weights={"steps": 1.0, "total": 0.05, "weighted": 1.0, "overlap": 1.0,
+                      "spread": 0.02},
         # A masked accuracy, and an IoU of integer sums (on TensorFlow's replicas too).
         metrics={"steps": ["accuracy", keras.metrics.MeanIoU(3, sparse_y_pred=False,
                                                               name="iou")]})
@@ -497,18 +508,23 @@ def counted_data(n, seed):
     tokens = np.where(np.arange(5) < lengths[:, None], rng.integers(1, 7, (n, 5)), 0)
     y = {"steps": (tokens % 3).astype(np.int32),
          "total": (lengths > 2).astype(np.float32)[:, None],
-         "weighted": (tokens.sum(axis=1, keepdims=True) / 10).astype(np.float32)}
+         "weighted": (tokens.sum(axis=1, keepdims=True) / 10).astype(np.float32),
+         "overlap": (lengths > 3).astype(np.float32)[:, None],
+         "spread": np.stack([lengths, tokens[:, 0]], axis=1).astype(np.float32) / 5}
     # Weights per output, per step for the steps: Keras' fit refuses weights of shape
     # (n,) (JAX, torch) or (n, 1) (torch) against the masked (n, 5) losses.
     weights = rng.uniform(0.2, 3.0, (n, 1)).astype(np.float32)
     return tokens.astype(np.int32), y, {"steps": np.repeat(weights, 5, axis=1),
-                                        "total": weights, "weighted": weights}
+                                        "total": weights, "weighted": weights,
+                                        "overlap": weights, "spread": weights}
 
 
 @pytest.mark.parametrize("replicas", [2, 4])
 def test_losses_divided_by_a_count_of_the_batch_use_the_global_batchs(replicas):
-    """A masked loss, a sum and a mean over sample weights: each replica's share
-    holds other counts than the global batch, and one step equals `fit`'s on it."""
+    """A masked loss, a sum, a mean over sample weights and two statistics of the whole
+    batch: each replica's share holds other counts and statistics than the global
+    batch, and one step equals `fit`'s on it. (Dice and the function's sum were each
+    replica's own before: the average of Dice over shares, half the batch's sum.)"""
     results, expected, _ = step_and_evaluation_as_in_fit(
         counted_losses, counted_data(BATCH, seed=6), counted_data(1001, seed=7), replicas)
     for name, value in expected.items():

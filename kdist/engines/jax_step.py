@@ -48,6 +48,9 @@ class Primitives(step_context.Primitives):
     def sum_over_shares(self, values):
         return values
 
+    def gather_shares(self, tensors):
+        return list(tensors)  # The program's batch is the global batch.
+
     def apply(self, context, optimizer, apply, grads, variables):
         """Keras' `stateless_apply` on the scope's values; its results become the
         scope's. (A stateful `apply` would assign inside Keras' `ops.cond`

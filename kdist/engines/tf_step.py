@@ -134,6 +134,16 @@ class Primitives(step_context.Primitives):
         context = tf.distribute.get_replica_context()
         return context.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
 
+    def gather_shares(self, tensors):
+        context = tf.distribute.get_replica_context()
+        index = context.replica_id_in_sync_group
+        out = []
+        for tensor in tensors:
+            rows = tf.shape(tensor)[0]
+            whole = context.all_gather(tf.stop_gradient(tensor), axis=0)
+            out.append(tf.concat([whole[:index * rows], tensor, whole[(index + 1) * rows:]], 0))
+        return out
+
     def apply(self, context, optimizer, apply, grads, variables):
         with context.optimizer_applying():
             return apply(grads, variables)

@@ -59,6 +59,18 @@ class Primitives(step_context.Primitives):
         with torch.no_grad():
             return self.engine._all_reduce_sum([v.detach() for v in values])
 
+    def gather_shares(self, tensors):
+        rank, count = self.engine.shard
+        out = []
+        for tensor in tensors:
+            sent = tensor.detach().to(torch.uint8 if tensor.dtype == torch.bool else tensor.dtype)
+            parts = [torch.empty_like(sent) for _ in range(count)]
+            dist.all_gather(parts, sent.contiguous())
+            parts[rank] = tensor.to(sent.dtype)
+            whole = torch.cat(parts)
+            out.append(whole.bool() if tensor.dtype == torch.bool else whole)
+        return out
+
     def apply(self, context, optimizer, apply, grads, variables):
         with context.optimizer_applying(), torch.no_grad():
             return apply(grads, variables)

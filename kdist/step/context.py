@@ -63,6 +63,11 @@ class Primitives(Protocol):
     def sum_over_shares(self, values: list, /) -> list:
         """`values` (scalars, no gradient) summed over those replicas."""
 
+    def gather_shares(self, tensors: list, /) -> list:
+        """Each of `tensors` (a row per example of this replica's share) over the
+        global batch: every replica's rows in replica order, the others' as
+        constants, this replica's as they are (their gradient flows)."""
+
     def apply(self, context: "StepContext", optimizer: Any, apply: Any, grads: list,
               variables: list | None, /) -> Any:
         """Applies `grads` to `variables` (None: all the optimizer's) with `optimizer`,
@@ -147,6 +152,9 @@ class StepContext:
         self.control_flow = 0  # Keras control-flow ops in progress (`kdist.step.optimizer`).
         self.refusal: Exception | None = None  # The error an `apply` in one of them raised.
         self.rows: int | None = None  # The rows of the batch the step sees.
+        # (loss, y_true, y_pred, sample_weight) of each Keras loss being called
+        # (`kdist.step.reductions`).
+        self.loss_calls: list[tuple] = []
         # When dry, {id: variable} the step assigns, and those it applies optimizers to.
         self.assigned: dict[int, Any] = {}
         self.applied_to: dict[int, Any] = {}

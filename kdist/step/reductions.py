@@ -16,23 +16,37 @@ is the same on every replica and stays as it is), its weighted sum over
 the global batch's valid entries or sample weights, which the replicas sum
 (`Primitives.sum_over_shares`: one all-reduce of the counts, which carry no
 gradient). A mean over all entries without a mask needs nothing: every
-share has the same size. Where one program sees the whole batch (JAX, or a
-batch every replica evaluates whole), and inside a `value_and_grad` with
-respect to tensors only (whose gradients are each example's own, not
-averaged), Keras' own functions run unchanged.
+share has the same size.
+
+A loss whose values are not one per example of a batch its predictions
+have a row per example of (Dice or Tversky over `axis=None`,
+`CosineSimilarity(axis=0)`, a function returning one number for its batch) is
+a statistic of the whole batch, which no sum of shares gives. There each
+replica computes it on the global batch, gathered (`Primitives.gather_shares`:
+the other replicas' rows as constants, its own as they are), as R times its
+gradient through its own rows: the average over replicas is then one device's
+gradient, and the value one device's.
+
+Where one program sees the whole batch (JAX, or a batch every replica
+evaluates whole), and inside a `value_and_grad` with respect to tensors only
+(whose gradients are each example's own, not averaged), Keras' own functions
+run unchanged.
 """
 
 import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from keras import ops
+from keras import ops, tree
+from keras.src.backend.common import masking
 from keras.src.losses import loss as loss_module  # The reductions replaced here.
 
 from kdist.step import context as step_context
 
 _KERAS: dict[str, Callable[..., Any]] = {
-    "apply_mask": loss_module.apply_mask, "reduce_values": loss_module.reduce_values}
+    "apply_mask": loss_module.apply_mask, "reduce_values": loss_module.reduce_values,
+    "reduce_weighted_values": loss_module.reduce_weighted_values}
+_KERAS_CALL = loss_module.Loss.__call__
 
 
 @contextlib.contextmanager
@@ -40,11 +54,28 @@ def over_global_batch():
     """Keras' losses reduce over the global batch while a step runs."""
     saved = {name: getattr(loss_module, name) for name in _KERAS}
     loss_module.apply_mask, loss_module.reduce_values = _apply_mask, _reduce_values
+    loss_module.reduce_weighted_values = _reduce_weighted_values
+    loss_module.Loss.__call__ = _loss_call  # type: ignore[method-assign]
     try:
         yield
     finally:
         for name, function in saved.items():
             setattr(loss_module, name, function)
+        loss_module.Loss.__call__ = _KERAS_CALL  # type: ignore[method-assign]
+
+
+def _loss_call(self, y_true, y_pred, sample_weight=None):
+    """Keras' `Loss.__call__`, its arguments kept on the context meanwhile: a
+    reduction of values that are not one per example computes them again over
+    the gathered global batch (`_reduce_values`)."""
+    context = _shares()
+    if context is None:
+        return _KERAS_CALL(self, y_true, y_pred, sample_weight)
+    context.loss_calls.append((self, y_true, y_pred, sample_weight))
+    try:
+        return _KERAS_CALL(self, y_true, y_pred, sample_weight)
+    finally:
+        context.loss_calls.pop()
 
 
 def _shares():
@@ -70,6 +101,17 @@ def _apply_mask(sample_weight, mask, dtype, reduction):
     return _KERAS["apply_mask"](sample_weight, ops.cast(weighted, dtype), dtype, "sum")
 
 
+def _reduce_weighted_values(values, sample_weight=None, mask=None,
+                            reduction="sum_over_batch_size", dtype=None):
+    """Keras' reduction of a loss's values (`Loss.__call__` calls it); values that
+    are a statistic of the batch, over the gathered global batch."""
+    context = _shares()
+    if context is not None and context.loss_calls and _of_the_batch(
+            values, context.loss_calls[-1][2], context.rows):
+        return _over_gathered_batch(context, *context.loss_calls[-1])
+    return _KERAS["reduce_weighted_values"](values, sample_weight, mask, reduction, dtype)
+
+
 def _reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
     context = _shares()
     primitives = None if context is None else context.primitives
@@ -85,3 +127,38 @@ def _reduce_values(values, sample_weight=None, reduction="sum_over_batch_size"):
             and values.shape[0] == context.rows):  # A row per example: the share's sum.
         return loss * ops.cast(primitives.replicas_sharing(), loss.dtype)
     return loss
+
+
+def _of_the_batch(values, y_pred, rows):
+    """Whether `values` are a statistic of the batch: not one per example, of
+    predictions that have a row per example of the batch of `rows`."""
+    per_example = len(values.shape) and values.shape[0] == rows
+    leaves = tree.flatten(y_pred)
+    return not per_example and bool(leaves) and all(
+        len(leaf.shape) and leaf.shape[0] == rows for leaf in leaves)
+
+
+def _over_gathered_batch(context, loss, y_true, y_pred, sample_weight):
+    """`loss` of the global batch, gathered from the replicas' shares, with R times
+    its gradient through this replica's rows (the others' are constants)."""
+    rows, mask = context.rows, masking.get_keras_mask(y_pred)
+    extras = [t for t in (sample_weight, mask) if _has_rows(t, rows)]
+    trues, preds = tree.flatten(y_true), tree.flatten(y_pred)
+    whole = context.primitives.gather_shares(trues + preds + extras)
+    y_true = tree.pack_sequence_as(y_true, whole[:len(trues)])
+    y_pred = tree.pack_sequence_as(y_pred, whole[len(trues):len(trues) + len(preds)])
+    gathered = dict(zip(map(id, extras), whole[len(trues) + len(preds):]))
+    if mask is not None:
+        masking.set_keras_mask(y_pred, gathered.get(id(mask), mask))
+    context.own_rows += 1  # Keras' reductions, unchanged, over the gathered batch.
+    try:
+        value = _KERAS_CALL(loss, y_true, y_pred, gathered.get(id(sample_weight), sample_weight))
+    finally:
+        context.own_rows -= 1
+    fixed = ops.stop_gradient(value)
+    replicas = ops.cast(context.primitives.replicas_sharing(), value.dtype)
+    return fixed + replicas * (value - fixed)
+
+
+def _has_rows(value, rows):
+    return value is not None and len(value.shape) > 0 and value.shape[0] == rows
