@@ -586,9 +586,25 @@ def test_a_lora_run_resumes_as_the_uninterrupted_run(tmp_path):
 # -- float8: Keras overwrites the scales and amax histories with their "gradient" --------
 
 
-def float8_mlp():
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                              keras.layers.Dense(3)])
+class OwnStepSequential(keras.Sequential):
+    """The guide's train step, in keras.ops with kdist.value_and_grad."""
+
+    def train_step(self, data):
+        x, y = data[:2]
+
+        def loss_fn():
+            logits = self(x, training=True)
+            return ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, logits, from_logits=True))
+
+        loss, grads = kdist.value_and_grad(loss_fn, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def float8_mlp(model_class=keras.Sequential):
+    model = model_class([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                         keras.layers.Dense(3)])
     rng = np.random.default_rng(42)  # The same weights in every model built.
     model.set_weights([rng.normal(scale=0.3, size=w.shape) for w in model.get_weights()])
     model.quantize("float8")
@@ -617,6 +633,25 @@ def test_float8_trains_as_fit_where_one_program_sees_the_batch_and_is_refused_el
             train()
         return
     result = train()  # JAX's 2 replicas: one program; torch: this process's one.
+    no_distribution()
+    reference = float8_mlp()
+    order = arrays.epoch_order(len(x), 3, 0)
+    reference.fit(x[order], y[order], batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for ours, theirs in zip(result.model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+
+
+def test_a_float8_model_with_its_own_step_trains_as_fit_on_one_replica(tmp_path):
+    """On TensorFlow the model in hand's building run, eager, differentiated the
+    variables themselves, where Keras' float8 gradients fail (ValueError)."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(64, 8)).astype("float32")
+    y = np.argmax(x @ rng.normal(size=(8, 3)), axis=1).astype("int32")
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=32, replicas=1, seed=3,
+                                  checkpoint_dir=str(tmp_path))
+    result = training.train_and_evaluate(config, kdist.Dataset(x, y, x, y, "toy"),
+                                         lambda: float8_mlp(OwnStepSequential),
+                                         log=lambda line: None)
     no_distribution()
     reference = float8_mlp()
     order = arrays.epoch_order(len(x), 3, 0)

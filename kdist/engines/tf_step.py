@@ -96,11 +96,13 @@ class Primitives(step_context.Primitives):
     def value_and_grad(self, context, fn, variables, tensors):
         """Differentiates `fn(*tensors)` on a tape. Outside a replica (the building
         run, under the strategy's scope) a distributed variable cannot be
-        differentiated, so the variables are read as watched copies there.
+        differentiated, so the variables are read as watched copies there, and
+        in every building run: eagerly, Keras' float8 layers' custom gradients
+        fail on the variables they read (as `fit(run_eagerly=True)` does).
         A gradient the tape gives as `tf.IndexedSlices` (an `Embedding`'s: one
         slice per row looked up) comes back as the dense tensor it sums to, as
         on JAX and torch: `keras.ops` then read the gradient, not its slices."""
-        cross_replica = tf.distribute.in_cross_replica_context()
+        cross_replica = tf.distribute.in_cross_replica_context() or context.dry
         scope = current_scope()
         sources = [tf.identity(v.value) if cross_replica else scope.get_current_value(v)
                    for v in variables]
