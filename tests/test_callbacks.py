@@ -342,3 +342,21 @@ def test_a_stop_from_one_replica_ends_every_replica_with_a_checkpoint_and_the_mo
     assert "where a callback stopped training: nothing left to train" in "\n".join(lines)
     assert again.restored["checkpoint"] == result.restored["checkpoint"]
     assert again.epochs == result.epochs and again.stopped_by_callback
+
+
+class FreezeFirstLayer(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            self.model.layers[1].trainable = False  # The hidden layer (0: the Input).
+
+
+def test_a_callback_that_changes_which_weights_train_is_one_error(tmp_path):
+    """fit on TensorFlow goes on training the old weights, on JAX raises, on torch
+    trains the others: kdist ran each backend's way (epoch 3's loss 0.44 on
+    TensorFlow and JAX, 0.60 on torch), silently."""
+    with pytest.raises(kdist.UsageError, match=r"a callback's on_epoch_end changed which "
+                                                r"weights train"):
+        on_kdist([FreezeFirstLayer()], tmp_path / "freeze", checkpoint_every=1)
+    # The checkpoint of the epoch before the change stays (on_epoch_end comes first).
+    latest = kdist.latest_checkpoint(str(tmp_path / "freeze"))
+    assert latest is not None and latest.endswith(f"ckpt-{15:08d}.weights.h5"), latest

@@ -65,6 +65,7 @@ class Hooks:
             [*kept, self._logs], model=model, verbose=0, epochs=epochs, steps=steps)
         self.stopped = False  # Whether a callback's stop has been agreed on.
         model.stop_training = False
+        self._trainable = [id(v) for v in model.trainable_variables] if self.active else []
 
     def _call(self, method: str, *args: Any, keep: Sequence[Any] = ()) -> None:
         """Calls `method` of every callback on the model as it is; the variables in
@@ -76,6 +77,18 @@ class Hooks:
             for variable, value in kept:
                 variable.assign(value)
             self.engine.sync_from_model()
+            self._check_trainable(method)
+
+    def _check_trainable(self, method: str) -> None:
+        """A `UsageError` where a callback changed which weights train: the steps
+        train those that trained at the start (`fit` too on TensorFlow; on JAX it
+        raises, on torch it trains the others)."""
+        if [id(v) for v in self.model.trainable_variables] != self._trainable:
+            raise UsageError(
+                f"a callback's {method} changed which weights train (a layer's trainable "
+                "setting); kdist's steps train the weights that trained at the start, on "
+                "every backend: change it between runs, in a model_fn that starts from the "
+                "last checkpoint's weights, in another checkpoint folder")
 
     def train_begin(self) -> None:
         self._call("on_train_begin")
