@@ -447,6 +447,18 @@ def recurrent_dropout_model():
     return model
 
 
+def assert_one_fit_epoch_alike(result, model_fn, x, y, batch_size):
+    """`result.model`'s weights equal, to 1e-6, a fresh `model_fn()`'s after one epoch of
+    `fit` on `x`, `y` in kdist's order of epoch 0 for seed 3."""
+    no_distribution()
+    reference = model_fn()
+    order = arrays.epoch_order(len(x), 3, 0)
+    reference.fit(x[order], y[order], batch_size=batch_size, epochs=1, shuffle=False,
+                  verbose=0)
+    for ours, theirs in zip(result.model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+
+
 def test_an_epoch_of_recurrent_dropout_draws_fits_masks(tmp_path):
     """Before, kdist's call that builds the metrics advanced the LSTM's seed state
     (8 draws): every mask differed from fit's (7.7e-3 to 1.2e-2 apart)."""
@@ -457,12 +469,7 @@ def test_an_epoch_of_recurrent_dropout_draws_fits_masks(tmp_path):
                                   checkpoint_dir=str(tmp_path))
     result = training.train_and_evaluate(config, kdist.Dataset(x, y, x, y, "toy"),
                                          recurrent_dropout_model, log=lambda line: None)
-    no_distribution()
-    reference = recurrent_dropout_model()
-    order = arrays.epoch_order(len(x), 3, 0)
-    reference.fit(x[order], y[order], batch_size=16, epochs=1, shuffle=False, verbose=0)
-    for ours, theirs in zip(result.model.get_weights(), reference.get_weights(), strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+    assert_one_fit_epoch_alike(result, recurrent_dropout_model, x, y, batch_size=16)
 
 
 class MaskTotals(keras.layers.Layer):
@@ -538,6 +545,13 @@ def test_a_count_undeclared_that_differs_per_replica_is_named(tmp_path):
 # -- LoRA: Keras writes a kernel with its factors merged, and zeroes them on load ------
 
 
+def three_classes(n, seed):
+    """`n` rows of 8 normal features and the argmax of a random linear map of them."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    return x, np.argmax(x @ rng.normal(size=(8, 3)), axis=1).astype("int32")
+
+
 def lora_mlp(lora=True):
     """Two Dense layers fine-tuned with rank-2 LoRA factors (their kernels frozen)."""
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
@@ -551,9 +565,7 @@ def lora_mlp(lora=True):
 
 
 def test_a_lora_run_resumes_as_the_uninterrupted_run(tmp_path):
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(320, 8)).astype("float32")
-    y = np.argmax(x @ rng.normal(size=(8, 3)), axis=1).astype("int32")
+    x, y = three_classes(320, seed=0)
     dataset = kdist.Dataset(x[:256], y[:256], x[256:], y[256:], source="toy data")
 
     def run(name, epochs):
@@ -617,9 +629,7 @@ def test_float8_trains_as_fit_where_one_program_sees_the_batch_and_is_refused_el
         tmp_path):
     """TensorFlow's replicas each took their amax from their own share and kdist averaged
     them: the kernels 0.0118 from fit's after 2 epochs, silently."""
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(128, 8)).astype("float32")
-    y = np.argmax(x @ rng.normal(size=(8, 3)), axis=1).astype("int32")
+    x, y = three_classes(128, seed=0)
     config = training.TrainConfig(epochs=1, batch_size_per_replica=32 // SEVERAL,
                                   replicas=SEVERAL, seed=3, checkpoint_dir=str(tmp_path))
 
@@ -633,28 +643,16 @@ def test_float8_trains_as_fit_where_one_program_sees_the_batch_and_is_refused_el
             train()
         return
     result = train()  # JAX's 2 replicas: one program; torch: this process's one.
-    no_distribution()
-    reference = float8_mlp()
-    order = arrays.epoch_order(len(x), 3, 0)
-    reference.fit(x[order], y[order], batch_size=32, epochs=1, shuffle=False, verbose=0)
-    for ours, theirs in zip(result.model.get_weights(), reference.get_weights(), strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+    assert_one_fit_epoch_alike(result, float8_mlp, x, y, batch_size=32)
 
 
 def test_a_float8_model_with_its_own_step_trains_as_fit_on_one_replica(tmp_path):
     """On TensorFlow the model in hand's building run, eager, differentiated the
     variables themselves, where Keras' float8 gradients fail (ValueError)."""
-    rng = np.random.default_rng(1)
-    x = rng.normal(size=(64, 8)).astype("float32")
-    y = np.argmax(x @ rng.normal(size=(8, 3)), axis=1).astype("int32")
+    x, y = three_classes(64, seed=1)
     config = training.TrainConfig(epochs=1, batch_size_per_replica=32, replicas=1, seed=3,
                                   checkpoint_dir=str(tmp_path))
     result = training.train_and_evaluate(config, kdist.Dataset(x, y, x, y, "toy"),
                                          lambda: float8_mlp(OwnStepSequential),
                                          log=lambda line: None)
-    no_distribution()
-    reference = float8_mlp()
-    order = arrays.epoch_order(len(x), 3, 0)
-    reference.fit(x[order], y[order], batch_size=32, epochs=1, shuffle=False, verbose=0)
-    for ours, theirs in zip(result.model.get_weights(), reference.get_weights(), strict=True):
-        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+    assert_one_fit_epoch_alike(result, float8_mlp, x, y, batch_size=32)
