@@ -595,6 +595,16 @@ def test_a_lora_run_resumes_as_the_uninterrupted_run(tmp_path):
                                straight.model.predict(x[256:], verbose=0), rtol=1e-5, atol=1e-5)
 
 
+def test_a_checkpoint_for_other_lora_layers_is_refused(tmp_path):
+    no_distribution()
+    path = checkpoints.CheckpointManager(str(tmp_path)).save(lora_mlp(), 1, {})
+    one_layer = lora_mlp(lora=False)
+    one_layer.layers[0].enable_lora(2)
+    for other in (one_layer, lora_mlp(lora=False)):  # Keras' load_weights reads the latter.
+        with pytest.raises(checkpoints.CheckpointError, match=r"written for a different model"):
+            checkpoints.restore(other, path)
+
+
 # -- float8: Keras overwrites the scales and amax histories with their "gradient" --------
 
 

@@ -15,8 +15,9 @@ Two groups of datasets, one per variable in the order of `model.variables`:
   layer back as it was.
 
 Keras' own `load_weights` ignores both groups: a model without LoRA layers
-reads the merged kernel, as from a file Keras wrote. Files without a group
-load with the model's generators or LoRA factors as Keras leaves them.
+reads the merged kernel, as from a file Keras wrote (kdist's `restore`
+refuses it: its weights differ). Files without a group load with the model's
+generators or LoRA factors as Keras leaves them.
 """
 
 import numpy as np
@@ -57,10 +58,10 @@ def write(model, f):
 def read(model, f):
     """Assigns `model`'s variables from the groups of open HDF5 file `f`. Raises
     InvalidCheckpoint if a group holds another count of variables than the
-    model has (none of LoRA's: the model reads the merged kernel alone)."""
+    model has."""
     for name, variables_of, what in _GROUPS:
         variables = variables_of(model)
-        if name not in f or (name == LORA_GROUP and not variables):
+        if name not in f:
             continue
         group = f[name]
         if len(group) != len(variables):
