@@ -319,17 +319,21 @@ class StopOnOneReplica(keras.callbacks.Callback):
 
 def test_a_stop_from_one_replica_ends_every_replica_with_a_checkpoint_and_the_model(tmp_path):
     """Every replica stops after the chunk in which one set `stop_training`, with a
-    checkpoint there; the model in hand predicts as that checkpoint does; and
-    running again resumes into the stopped state: nothing more is trained."""
+    checkpoint there, written once where a periodic checkpoint falls on that step;
+    the model in hand predicts as that checkpoint does; and running again resumes
+    into the stopped state: nothing more is trained."""
+    steps = KdistOrder().steps
+    stopped_at = steps + 6 if CHUNK == 1 else steps + 8  # After the chunk of step 5.
     config = kdist.TrainConfig(epochs=EPOCHS, seed=SEED, replicas=REPLICAS,
                                batch_size_per_replica=BATCH // REPLICAS,
-                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path))
+                               steps_per_execution=CHUNK, checkpoint_dir=str(tmp_path),
+                               checkpoint_every_steps=stopped_at)
     data = kdist.Dataset(TRAIN_X, TRAIN_Y, TEST_X, TEST_Y, "toy")
     lines = []
     result = kdist.train_and_evaluate(config, data, model_fn=model_fn, log=lines.append,
                                       callbacks=[StopOnOneReplica()])
-    steps = KdistOrder().steps
-    stopped_at = steps + 6 if CHUNK == 1 else steps + 8  # After the chunk of step 5.
+    saved = [line for line in lines if line.startswith("Saved checkpoint")]
+    assert len(saved) == 1 and saved[0].endswith(f"ckpt-{stopped_at:08d}.weights.h5")
     assert result.stopped_by_callback and len(result.epochs) == 1
     assert result.restored["checkpoint"].endswith(f"ckpt-{stopped_at:08d}.weights.h5")
     assert f"A callback stopped training (model.stop_training) at epoch 2, step " \

@@ -258,10 +258,15 @@ def test_a_keras_backup_and_restore_is_refused_before_any_work(tmp_path, small_d
 def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
         tmp_path, small_dataset):
     run(config(tmp_path, "run", epochs=1, keep=3), small_dataset)
-    with pytest.raises(training.Interrupted, match="epoch 2, step 4"):
+    lines = []  # The stop lands on a periodic checkpoint's step: one write names it.
+    with pytest.raises(training.Interrupted, match=(
+            r"epoch 2, step 4; saved \S+ckpt-00000010.weights.h5; run the same command")):
         training.train_and_evaluate(
-            config(tmp_path, "run", epochs=3, keep=3, steps_per_execution=1), small_dataset,
-            log=lambda line: None, stop=StopAfter(4))
+            config(tmp_path, "run", epochs=3, keep=3, steps_per_execution=1,
+                   checkpoint_every_steps=5), small_dataset, log=lines.append,
+            stop=StopAfter(4))
+    assert [line for line in lines if line.startswith("Saved checkpoint")] == [
+        f"Saved checkpoint {tmp_path / 'run' / 'ckpt-00000010.weights.h5'}"]
     lines = []
     result = training.train_and_evaluate(
         config(tmp_path, "run", epochs=3, keep=3, steps_per_epoch=3), small_dataset,

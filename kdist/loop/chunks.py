@@ -49,11 +49,11 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
     so this thread only dispatches the calls. Statistics come back once per chunk and are
     then accounted step by step (`on_step(steps done, step stats, totals,
     last step of its chunk)`); `before_chunk(steps done)` is called before each
-    chunk runs, `after_chunk(steps done, totals)` after it. After each chunk
-    `should_stop()` is called,
-    on every worker at the same point; when it returns true, no further
-    chunk runs. `ending`, the `kdist.inputs.base.Stream` of a worker's own share
-    (whose length may differ between workers): before each chunk the workers
+    chunk runs. After each chunk `should_stop()` is called, on every worker at
+    the same point, then `after_chunk(steps done, totals, stopping)` with its
+    answer; when it is true, no further chunk runs. `ending`, the
+    `kdist.inputs.base.Stream` of a worker's own share (whose length may differ
+    between workers): before each chunk the workers
     agree on its step count (`_agreed_steps`), and the epoch ends, on every
     worker, at the first step some worker lacks. Returns (totals, steps run).
     """
@@ -81,9 +81,10 @@ def run_steps(engine, step_fn, batches, totals, on_step=None, should_stop=None,
                 done += 1
                 if on_step is not None:
                     on_step(done, stats, totals, i == count - 1)
+            stopping = should_stop is not None and should_stop()
             if after_chunk is not None:
-                after_chunk(done, totals)
-            if should_stop is not None and should_stop():
+                after_chunk(done, totals, stopping)
+            if stopping:
                 break
             if ending is not None and count < steps_per_execution:
                 break

@@ -102,11 +102,11 @@ class Run:
                                  calls)
         totals = position.totals if position.totals is not None else zero_totals(self.step)
 
-        def after_chunk(done, totals):  # A checkpoint by steps or minutes, mid-epoch.
-            self.faults.after_chunk(done)
+        def after_chunk(done, totals, stopping):  # A checkpoint by steps or minutes,
+            self.faults.after_chunk(done)  # mid-epoch; at a stop, the stop's own one.
             here = dataclasses.replace(position, step_in_epoch=first_step + done,
                                        totals=totals)
-            if here.step_in_epoch != self.steps and self.periodic_due(here):
+            if not stopping and here.step_in_epoch != self.steps and self.periodic_due(here):
                 self.save(here, log, progress)
             self.report_writes(log, progress=progress)
 
