@@ -472,8 +472,19 @@ def test_a_compiled_loss_that_is_not_one_number_is_one_clear_error():
     model, x, labels = one_hot_model()
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(
         from_logits=True, reduction="none"))
-    with pytest.raises(kdist.UsageError, match=r"compiled loss has shape \(3,\), not one number"):
+    with pytest.raises(kdist.UsageError, match="compiled loss is one value per example, not "
+                                               "one number: give its losses a reduction"):
         evaluate(model, (x, labels, None))
+    model.compile(optimizer="sgd", loss=PerClass(reduction=None))
+    with pytest.raises(kdist.UsageError, match=r"compiled loss has shape \(10,\), not one"):
+        evaluate(model, (x, labels, None))
+
+
+class PerClass(keras.losses.Loss):
+    """One value per class: the batch's summed predictions."""
+
+    def call(self, y_true, y_pred):
+        return ops.sum(y_pred, axis=0)
 
 
 class CriticLoop(keras.Model):

@@ -63,11 +63,13 @@ def _loss(model, x, y, weight, training, compute_loss):
         y_pred = model(x, training=training)
         loss = model.compute_loss(x, y, y_pred, weight, training=training)
         if len(ops.shape(loss)) != 0:
+            shape = tuple(ops.shape(loss))
+            what = ("is one value per example" if shape[:1] == ops.shape(data_leaves(x)[0])[:1]
+                    else f"has shape {shape}")  # Not the trial batch's row count.
             raise UsageError(
-                f"the model's compiled loss has shape {tuple(ops.shape(loss))}, not one "
-                "number: give its losses a reduction other than 'none' (Keras' default is "
-                "'sum_over_batch_size'), or pass compute_loss=fn returning per-example "
-                "losses")
+                f"the model's compiled loss {what}, not one number: give its losses a "
+                "reduction other than 'none' (Keras' default is 'sum_over_batch_size'), "
+                "or pass compute_loss=fn returning per-example losses")
         return ops.cast(loss, "float32"), y_pred
     per_example, y_pred = compute_loss(model, x, y, training)
     per_example = ops.cast(per_example, "float32")
