@@ -128,3 +128,19 @@ def test_labels_are_checked_as_classes_only_for_a_loss_that_reads_class_indices(
             building.check_labels(prepared, model)
     else:
         building.check_labels(prepared, model)
+
+
+def test_each_splits_integer_labels_are_checked_whatever_the_others_dtype():
+    """Float labels pass (Keras' sparse losses take them); integer ones are class
+    indices, checked split by split: a float training split does not exempt the
+    test split, nor an integer one refuse float test labels."""
+    x = np.zeros((6, 3), np.float32)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+    classes = np.array([0, 1, 2, 0, 1, 2], np.int32)
+    wrong = np.array([0, 1, 2, 0, 1, 7], np.int32)
+    with pytest.raises(DataError, match=r"labels: test label 7 \(example 5\) is not a class"):
+        building.check_labels(sources.prepare(kdist.Dataset(
+            x, classes.astype(np.float32), x, wrong, "labels")), model)
+    building.check_labels(sources.prepare(kdist.Dataset(
+        x, classes, x, classes.astype(np.float32), "labels")), model)

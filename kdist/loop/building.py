@@ -210,9 +210,7 @@ def check_labels(prepared, model, splits=("train", "test")):
             if source is not None:
                 source.expect_classes(shape[-1])
         return
-    labels = dataset.train_y
-    if isinstance(labels, np.ndarray) and np.issubdtype(labels.dtype, np.integer):
-        arrays.check_labels(dataset, shape[-1], splits)
+    arrays.check_labels(dataset, shape[-1], splits)
 
 
 def _takes_class_indices(loss):
