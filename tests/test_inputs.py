@@ -127,7 +127,9 @@ def test_batches_of_any_size_are_recut_into_global_batches():
     ([(np.zeros((4, 8)), np.zeros(3))],
      r"batch 0 holds arrays of different lengths \(x 4, y 3\)"),
     ([(np.zeros(8), np.zeros(()))], "batch 0 has a scalar y, a single example"),
-    ([np.zeros((4, 8))], r"batch 0 is a ndarray; every batch must be a tuple \(x, y\)"),
+    ([np.zeros((4, 8))], r"batch 0 is a ndarray; every batch must be a tuple \(x, y\) or "
+                         r"\(x, y, sample_weight\) \(kdist reads y with every batch, unlike "
+                         "fit, which also takes x alone: for a step of your own"),
 ])
 def test_bad_batches_are_named(batches, message):
     check = batching.BatchCheck("the train data")
@@ -245,10 +247,18 @@ def test_a_producer_error_reaches_the_consumer_and_close_stops_early():
 
 def test_every_kind_trains_like_the_same_batches(tmp_path):
     """A function of the epoch yielding kdist's own array order (in batches of 50)
-    equals the arrays; a PyDataset equals a function yielding its batches in the
-    (seed, epoch) order kdist takes them; tf.data (one epoch) equals the arrays."""
+    equals the arrays, and so do they without test data (no evaluation); a
+    PyDataset equals a function yielding its batches in the (seed, epoch) order
+    kdist takes them; tf.data (one epoch) equals the arrays."""
     x, y = TRAIN
     arrays = train(tmp_path, "arrays", base.Inputs((x, y), TEST))
+    lines = []
+    alone = train(tmp_path, "alone", base.Inputs((x, y)), log=lines.append)
+    assert alone.restored is None and list(alone.history) == ["loss", "accuracy"]
+    assert [{k: v for k, v in e.items() if not k.startswith("test_")}
+            for e in without_timing(arrays.epochs)] == without_timing(alone.epochs)
+    assert "(400 train, no test examples: no evaluation)" in lines[0], lines[0]
+    assert max_difference(final_weights(tmp_path, "arrays"), final_weights(tmp_path, "alone")) == 0
 
     def arrays_order(epoch):
         order = np.random.default_rng([SEED, epoch]).permutation(len(x))

@@ -32,6 +32,7 @@ class Inputs:
     returning an iterator of such batches (called at every epoch, with the
     epoch if it takes an argument); or NumPy arrays `(x, y)` or
     `(x, y, sample_weight)`. `source` names the data in the banner.
+    Without `test` a run trains and checkpoints with no evaluation;
     `evaluate_checkpoint` needs only `test`.
     """
 

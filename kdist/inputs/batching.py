@@ -14,6 +14,11 @@ from kdist.errors import DataError
 PARTS = ("x", "y", "sample weight")
 
 
+# Where a batch or split lacks y: `fit` takes x alone; kdist reads targets with every batch.
+X_ALONE = ("kdist reads y with every batch, unlike fit, which also takes x alone: for a step "
+           "of your own that uses only x, give y as zeros, one row per example")
+
+
 class BatchCheck:
     """Checks a source's batches, one by one, against its first.
 
@@ -39,7 +44,7 @@ class BatchCheck:
             batch = tuple(batch)
         if not isinstance(batch, tuple) or len(batch) not in (2, 3):
             raise DataError(f"{self.what}: batch {index} is a {type(batch).__name__}; every "
-                            "batch must be a tuple (x, y) or (x, y, sample_weight), as for fit")
+                            f"batch must be a tuple (x, y) or (x, y, sample_weight) ({X_ALONE})")
         batch = tuple(tree.map_arrays(np.asarray, part) for part in batch)
         batch += (None,) * (3 - len(batch))
         lengths = [(name, a.shape[0] if a.ndim else None)

@@ -130,7 +130,7 @@ class TfDataSource(_StreamSource):
         spec = dataset.element_spec
         if not isinstance(spec, tuple) or len(spec) not in (2, 3):
             raise DataError(f"{what} is a tf.data.Dataset of {spec}; kdist needs elements "
-                            "(x, y) or (x, y, sample_weight), as fit")
+                            f"(x, y) or (x, y, sample_weight) ({batching.X_ALONE})")
         shapes = [s.shape for s in tf.nest.flatten(spec)]
         if any(shape.rank == 0 for shape in shapes):
             raise DataError(f"{what} is a tf.data.Dataset of single examples (a part of "

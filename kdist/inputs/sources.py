@@ -16,7 +16,16 @@ import numpy as np
 
 from kdist import tree
 from kdist.errors import UsageError
-from kdist.inputs import arrays, base, grainsource, pipelines, pydatasets, tfdata, tfrecords
+from kdist.inputs import (
+    arrays,
+    base,
+    batching,
+    grainsource,
+    pipelines,
+    pydatasets,
+    tfdata,
+    tfrecords,
+)
 from kdist.inputs.arrays import ArraySource
 
 
@@ -69,7 +78,8 @@ def source_for(given: Any, split: str) -> base.Source:
     raise UsageError(f"{what} is a {type(given).__name__}; kdist reads a batched "
                      "tf.data.Dataset or Grain MapDataset or IterDataset, a "
                      "keras.utils.PyDataset, a function returning an iterator of (x, y[, "
-                     "sample_weight]) batches, or NumPy arrays (x, y[, sample_weight])")
+                     "sample_weight]) batches, or NumPy arrays (x, y[, sample_weight]) "
+                     f"({batching.X_ALONE})")
 
 
 def _is_arrays(given):

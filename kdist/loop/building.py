@@ -164,7 +164,7 @@ def _name_counters():
 
 def prepare_model(engine, global_batch_size, sample, model_fn=create_model, optimizer_fn=None,
                   learning_rate=None, loss_fn=None, compute_loss=None, train=True,
-                  precision=None, names=None):
+                  precision=None, names=None, test=True):
     """`build`, then the model's built `kdist.step.program.Program`: returns
     (model, program).
 
@@ -174,7 +174,7 @@ def prepare_model(engine, global_batch_size, sample, model_fn=create_model, opti
     """
     model, _ = build(engine, model_fn, optimizer_fn, learning_rate, loss_fn,
                      compute_loss, sample=sample, train=train, precision=precision, names=names)
-    steps = program.Program(model, compute_loss, train=train)
+    steps = program.Program(model, compute_loss, train=train, test=test)
     steps.build(engine, sample)
     return model, steps
 

@@ -42,7 +42,8 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
             "steps of an epoch" if chunk is not None and chunk < config.steps_per_execution
             else ""),
         f"Data: {dataset.source} ({_examples(dataset, 'train')} train, "
-        f"{_examples(dataset, 'test')} test examples)",
+        + (f"{_examples(dataset, 'test')} test examples)" if dataset.test is not None
+           else "no test examples: no evaluation)"),
         f"Checkpoints: {os.path.abspath(config.checkpoint_dir)}, {checkpoint_note}",
     ] + ([f"Precision: {precision}" + (
         " (dynamic loss scaling)" if precision == "mixed_float16" else "")]

@@ -60,7 +60,7 @@ class Run:
             self.model, self.step = building.prepare_model(
                 self.engine, self.global_batch, sample, model_fn,
                 optimizer_fn, config.learning_rate, loss_fn, compute_loss,
-                precision=config.precision, names=names)
+                precision=config.precision, names=names, test=dataset.test is not None)
             # Whether the optimizer may skip steps: the epoch lines then count them.
             self.dynamic_loss_scale = any(isinstance(o, keras.optimizers.LossScaleOptimizer)
                                           for o in self.step.optimizers)

@@ -88,7 +88,7 @@ def train_and_evaluate(
     names = building.object_names()  # Every model this run builds names its objects alike.
     with interrupt.stop_of_run(stop, engines.connected()) as stop:
         processes = engines.replica_processes(config.replicas)
-        prepared = sources.prepare(dataset)
+        prepared = sources.prepare(dataset, splits=("train",))  # Test data: optional.
         if processes:  # torch: this process starts one per replica and waits for them.
             result = replicas.run(processes, train_and_evaluate, dict(
                 config=config, dataset=dataset, model_fn=model_fn, optimizer_fn=optimizer_fn,

@@ -56,9 +56,10 @@ class Program:
         compute_loss: for a compiled model only: `fn(model, x, y, training) ->
             (per-example losses, y_pred)` in place of the compiled loss.
         train: whether the program trains (False: evaluation only).
+        test: whether it evaluates (False: the run has no test data).
     """
 
-    def __init__(self, model, compute_loss=None, train=True):
+    def __init__(self, model, compute_loss=None, train=True, test=True):
         self.model = model
         own = defines(model, "train_step")
         if own and compute_loss is not None:
@@ -67,8 +68,8 @@ class Program:
         self.steps: dict[str, Any] = {
             "train": model.train_step if own else (
                 lambda data: compiled.train_step(model, data, compute_loss)),
-            "test": model.test_step if defines(model, "test_step") else None if own else (
-                lambda data: compiled.test_step(model, data, compute_loss)),
+            "test": None if not test else model.test_step if defines(model, "test_step")
+            else None if own else (lambda data: compiled.test_step(model, data, compute_loss)),
         }
         self.trains = train and (own or getattr(model, "optimizer", None) is not None)
         self.optimizers = step_optimizer.held_by(model)
@@ -124,7 +125,7 @@ class Program:
 
     @property
     def evaluates(self):
-        """Whether the program has a test step."""
+        """Whether the program has a test step (and test data to run it on)."""
         return self.steps["test"] is not None
 
     def build(self, engine, sample):
