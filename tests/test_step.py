@@ -2,6 +2,7 @@
 `kdist.step.compiled`), eagerly on one device: the loss, the model's losses, metrics;
 and each model's losses in a step that calls two."""
 
+import dataclasses
 import os
 
 import keras
@@ -700,3 +701,54 @@ def test_keras_sums_over_a_kernel_or_inside_an_input_gradient_train_as_on_one_re
         assert several.history[name] == pytest.approx(one.history[name], rel=1e-5), name
     for ours, theirs in zip(several.model.get_weights(), one.model.get_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+class GuideStep(keras.Model):
+    """The Keras guide's first own `train_step`: the compiled loss and metrics, no
+    `test_step` of its own (`fit` validates it with Keras' inherited one); without
+    a compiled loss, its own mean squared error."""
+
+    def train_step(self, data):
+        x, y = data
+
+        def loss_fn():
+            y_pred = self(x, training=True)
+            return (self.compute_loss(y=y, y_pred=y_pred) if self.loss
+                    else ops.mean(ops.square(y_pred - y))), y_pred
+
+        (loss, y_pred), grads = kdist.value_and_grad(loss_fn, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss, "mae": self.compute_metrics(x, y, y_pred)["mae"]}
+
+
+def guide_model(compiled=True):
+    inputs = keras.Input((4,))
+    model = GuideStep(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss="mse" if compiled else None,
+                  metrics=["mae"])
+    return model
+
+
+def test_an_own_train_step_of_a_compiled_model_is_evaluated_as_fit_validates_it(tmp_path):
+    """Its test set is evaluated with the compiled loss and metrics after every
+    epoch and restored, as `evaluate` on the same weights; without a compiled
+    loss there is nothing to evaluate (`fit` would raise), as without a test_step."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(356, 4)).astype(np.float32)
+    y = x @ np.array([[1.0], [2.0], [-1.0], [0.5]], np.float32)
+    dataset = kdist.Dataset(x[:256], y[:256], x[256:], y[256:], "toy")
+    config = kdist.TrainConfig(epochs=2, batch_size_per_replica=32 // SEVERAL,
+                               replicas=SEVERAL, seed=0, checkpoint_dir=str(tmp_path / "a"),
+                               progress=False)
+    result = kdist.train_and_evaluate(config, dataset, model_fn=guide_model,
+                                      log=lambda line: None)
+    model = guide_model()
+    model.set_weights(result.model.get_weights())
+    expected = model.evaluate(x[256:], y[256:], batch_size=100, verbose=0, return_dict=True)
+    for name in ("loss", "mae"):
+        assert result.history[f"val_{name}"][-1] == pytest.approx(expected[name], rel=1e-5)
+        assert result.restored[f"test_{name}"] == pytest.approx(expected[name], rel=1e-5)
+    bare = kdist.train_and_evaluate(dataclasses.replace(config, checkpoint_dir=str(
+        tmp_path / "b")), dataset, model_fn=lambda: guide_model(compiled=False),
+        log=lambda line: None)
+    assert bare.restored is None and "val_mae" not in bare.history

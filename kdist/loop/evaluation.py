@@ -81,8 +81,9 @@ def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_s
                         hint="evaluate it with the model it was trained with (--model)")
     finalize_weights(model)
     if not step.evaluates:
-        raise UsageError(f"{type(model).__name__} defines train_step but no test_step; "
-                         "define test_step(data) to evaluate it")
+        raise UsageError(f"{type(model).__name__} defines train_step but no test_step, and "
+                         "has no compiled loss for Keras' own; define test_step(data) to "
+                         "evaluate it")
     building.check_labels(prepared, model, splits=("test",))
     engine.compile_steps(step)
     results = evaluate_source(engine, step, prepared.test, batch_size, steps_per_execution,

@@ -69,7 +69,8 @@ class Program:
             "train": model.train_step if own else (
                 lambda data: compiled.train_step(model, data, compute_loss)),
             "test": None if not test else model.test_step if defines(model, "test_step")
-            else None if own else (lambda data: compiled.test_step(model, data, compute_loss)),
+            else (lambda data: compiled.test_step(model, data, compute_loss))
+            if not own or _has_loss(model) else None,
         }
         self.trains = train and (own or getattr(model, "optimizer", None) is not None)
         self.optimizers = step_optimizer.held_by(model)
@@ -264,6 +265,13 @@ class Program:
     def zero_statistics(self):
         """Statistics of a step that counts nothing (a skipped padding step)."""
         return {key: ops.zeros(shape, "float32") for key, shape in self.statistic_shapes().items()}
+
+
+def _has_loss(model):
+    """Whether Keras' inherited `test_step` has a loss to compute: the model is
+    compiled with one, or defines `compute_loss` (as `fit` validates an own
+    `train_step`'s model)."""
+    return getattr(model, "_compile_loss", None) is not None or defines(model, "compute_loss")
 
 
 def defines(model, name):
