@@ -85,6 +85,19 @@ class _Assigns(keras.Model):
         return {"loss": keras.ops.mean(self.dense(keras.ops.reshape(data[0], (-1, 784))))}
 
 
+class _UnbuiltMetric(_Assigns):
+    """A step that updates an F1Score, whose variables Keras makes at its first update."""
+
+    def __init__(self):
+        super().__init__()
+        self.f1 = keras.metrics.F1Score(average="macro", name="f1")
+
+    def train_step(self, data):
+        logits = self.dense(keras.ops.reshape(data[0], (-1, 784)))
+        self.f1.update_state(keras.ops.one_hot(data[1], 10), keras.ops.softmax(logits))
+        return {"loss": keras.ops.mean(logits), "f1": self.f1.result()}
+
+
 class _WrongGradient(_Assigns):
     """A step that differentiates a loss with respect to variables it never reads."""
 
@@ -166,6 +179,8 @@ class _InnerOptimizer(_Assigns):
 
 @pytest.mark.parametrize("model_class, message", [
     (_Assigns, "assigns '.*kernel' itself"),
+    (_UnbuiltMetric, r"metric 'f1' \(F1Score\) has no variables yet .* call its update_state "
+                     r"once on zeros of the shapes it takes, then its reset_state\(\)"),
     (_InnerOptimizer, r"applies the inner optimizer \(SGD\) of the model's LossScaleOptimizer"),
     (_WrongGradient, "reads none of the variables"),
     (_TwoSubsets, r"applies SGD to '\w+/kernel', which it was not built on"),

@@ -109,7 +109,8 @@ class StepScope(keras.StatelessScope):
             raise UsageError(
                 f"the step assigns {variable.path!r} itself; in a kdist step only an "
                 "optimizer changes weights and optimizer state: pass gradients to "
-                "optimizer.apply(grads, variables)")
+                "optimizer.apply(grads, variables) (a layer whose call assigns its own "
+                "weights, such as SpectralNormalization, is not supported)")
         if self.context.dry:
             self.context.assigned[id(variable)] = variable
         super().add_update(update)

@@ -225,7 +225,14 @@ class Program:
         A result that is not a scalar is refused: kdist reports numbers."""
         names = {}
         for metric in self.metrics:
-            value = metric.result()
+            try:
+                value = metric.result()
+            except AttributeError as error:  # F1Score, R2Score: variables made at first update.
+                raise UsageError(
+                    f"metric {metric.name!r} ({type(metric).__name__}) has no variables yet "
+                    f"({error}): Keras makes them at its first update_state; make them where "
+                    "the model makes the metric: call its update_state once on zeros of the "
+                    "shapes it takes, then its reset_state()") from error
             results = _flat(value) if isinstance(value, dict) else {metric.name: value}
             for name, result in results.items():
                 if len(ops.shape(result)) != 0:
