@@ -68,9 +68,7 @@ class Program:
         self.steps: dict[str, Any] = {
             "train": model.train_step if own else (
                 lambda data: compiled.train_step(model, data, compute_loss)),
-            "test": None if not test else model.test_step if defines(model, "test_step")
-            else (lambda data: compiled.test_step(model, data, compute_loss))
-            if not own or _has_loss(model) else None,
+            "test": _test_step(model, compute_loss, own) if test else None,
         }
         self.trains = train and (own or getattr(model, "optimizer", None) is not None)
         self.optimizers = step_optimizer.held_by(model)
@@ -274,11 +272,17 @@ class Program:
         return {key: ops.zeros(shape, "float32") for key, shape in self.statistic_shapes().items()}
 
 
-def _has_loss(model):
-    """Whether Keras' inherited `test_step` has a loss to compute: the model is
-    compiled with one, or defines `compute_loss` (as `fit` validates an own
-    `train_step`'s model)."""
-    return getattr(model, "_compile_loss", None) is not None or defines(model, "compute_loss")
+def _test_step(model, compute_loss, own):
+    """The model's own `test_step`; else the built-in one (`fit`'s math), also for
+    a model with its own `train_step` where Keras' inherited `test_step` has a
+    loss to compute (compiled with one, or defining `compute_loss`), as `fit`
+    validates it; else None (no evaluation)."""
+    if defines(model, "test_step"):
+        return model.test_step
+    if own and getattr(model, "_compile_loss", None) is None and not defines(
+            model, "compute_loss"):
+        return None
+    return lambda data: compiled.test_step(model, data, compute_loss)
 
 
 def defines(model, name):
