@@ -31,7 +31,8 @@ def check_positive(value, name, kind=int, optional=False):
     if kind is int:
         number = number and isinstance(value, int)
     if not number or not math.isfinite(value) or value <= 0:
-        raise UsageError(f"{name} must be a finite number greater than 0, got {value!r}")
+        what = "a whole number" if kind is int else "a finite number"
+        raise UsageError(f"{name} must be {what} greater than 0, got {value!r}")
 
 
 def check_config(config):

@@ -5,20 +5,44 @@ from test_training import config
 
 from kdist import checkpoints
 from kdist.loop import chunks, training
+from kdist.loop.evaluation import evaluate_checkpoint
 from kdist.runtime.startup import UsageError
 
 
 @pytest.mark.parametrize("field, value, message", [
     ("seed", -1, "seed must be a whole number in 0..4294967295, got -1"),
     ("seed", 2**32, "seed must be a whole number in 0..4294967295, got 4294967296"),
-    ("epochs", 0, "epochs must be a finite number greater than 0, got 0"),
-    ("keep", 0, "keep must be a finite number greater than 0"),
-    ("learning_rate", float("inf"), "learning_rate must be a finite number"),
-    ("steps_per_execution", 2.5, "steps_per_execution must be a finite number"),
+    ("epochs", 0, "epochs must be a whole number greater than 0, got 0"),
+    ("epochs", 2.0, "epochs must be a whole number greater than 0, got 2.0"),
+    ("keep", 0, "keep must be a whole number greater than 0"),
+    ("learning_rate", float("inf"), "learning_rate must be a finite number greater than 0"),
+    ("steps_per_execution", 2.5, "steps_per_execution must be a whole number"),
 ])
 def test_train_config_refuses_values_out_of_range(tmp_path, field, value, message):
     with pytest.raises(UsageError, match=message):
         config(tmp_path, "ck", **{field: value})
+
+
+@pytest.mark.any_backend  # Refused before the model is built or the file read.
+@pytest.mark.parametrize("arguments, message", [
+    # With 0 steps per execution the evaluation had scored only the rows after the
+    # last full batch, silently.
+    (dict(steps_per_execution=0), "steps_per_execution must be a whole number greater than 0"),
+    (dict(steps_per_execution=-1), "steps_per_execution must be a whole number greater than 0"),
+    (dict(batch_size=0), "batch_size must be a whole number greater than 0, got 0"),
+    (dict(batch_size=2.5), "batch_size must be a whole number greater than 0, got 2.5"),
+    (dict(batch_size=True), "batch_size must be a whole number greater than 0, got True"),
+    (dict(seed=-1), "seed must be a whole number in 0..4294967295, got -1"),
+    (dict(path=None), "no checkpoint to evaluate: path is None .*latest_checkpoint"),
+])
+def test_evaluate_checkpoint_refuses_bad_arguments_before_any_work(tmp_path, small_dataset,
+                                                                    arguments, message):
+    def model_fn():
+        raise AssertionError("the model was built before the arguments were checked")
+
+    arguments = dict(dict(path=str(tmp_path / "missing.weights.h5")), **arguments)
+    with pytest.raises(UsageError, match=message):
+        evaluate_checkpoint(dataset=small_dataset, model_fn=model_fn, **arguments)
 
 
 def test_the_largest_seed_trains(tmp_path, small_dataset):

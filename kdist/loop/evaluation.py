@@ -1,12 +1,13 @@
 """The model with no distribution: a checkpoint evaluated, or the trained weights in hand."""
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
 import keras
 
-from kdist import checkpoints, engines, hints
+from kdist import checkpoints, checks, engines, hints
 from kdist.config import TrainConfig
 from kdist.errors import UsageError
 from kdist.inputs import arrays, base, sources
@@ -43,13 +44,27 @@ def evaluate_checkpoint(
     that wrote `path`, as its metadata records it) and `seed` (the run's) cut
     and draw a test step's `kdist.random` numbers as each epoch's evaluation
     did. Returns {"restored":
-    True, "checkpoint": path, "test_loss": ..., and test_ each metric}.
+    True, "checkpoint": path, "test_loss": ..., and test_ each metric}. A bad
+    argument raises `kdist.UsageError` before any work.
     """
+    _check_arguments(path, batch_size, steps_per_execution, seed)
     if batch_size is None:
         batch_size = _global_batch_of(path)
     return restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
                                 steps_per_execution, precision=precision, seed=seed,
                                 optimizer_fn=optimizer_fn)[1]
+
+
+def _check_arguments(path, batch_size, steps_per_execution, seed):
+    """Raises UsageError for the first bad argument of `evaluate_checkpoint`, before
+    any work: a path that is no path (None: `latest_checkpoint` found none), a batch
+    size or steps per execution that is not a whole number above 0, a bad seed."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise UsageError(f"no checkpoint to evaluate: path is {path!r} (kdist.latest_checkpoint "
+                         "returns None for a folder that holds no valid checkpoint)")
+    checks.check_positive(batch_size, "batch_size", optional=True)
+    checks.check_positive(steps_per_execution, "steps_per_execution")
+    checks.check_seed(seed)
 
 
 def _global_batch_of(path):
