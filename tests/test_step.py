@@ -109,8 +109,16 @@ def test_a_metric_whose_variables_do_not_add_up_over_examples_is_refused():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse", metrics=["mae", MaxError()])
     x = np.array([[1.0, 2.0, 3.0], [-2.0, 1.0, 0.5]], np.float32)
-    with pytest.raises(kdist.UsageError, match="metric variable 'max_error/worst' does not "
-                                               "add up over examples"):
+    with pytest.raises(kdist.UsageError, match="metric 'max_error' does not add up over "
+                                               "examples: its variable 'max_error/worst'"):
+        build_metrics(model, x, np.zeros((2, 1), np.float32))
+
+    def rmse(y_true, y_pred):  # One number for the batch: fit averages it over batches.
+        return ops.sqrt(ops.mean(ops.square(y_true - y_pred)))
+
+    model.compile(optimizer="sgd", loss="mse", metrics=[rmse])
+    with pytest.raises(kdist.UsageError, match="metric 'rmse' does not add up over examples"
+                                               ".* must return one value per example"):
         build_metrics(model, x, np.zeros((2, 1), np.float32))
     model.compile(optimizer="sgd", loss="mse", metrics=["mae", "mse"])
     build_metrics(model, x, np.zeros((2, 1), np.float32))  # Keras' own add up.

@@ -178,14 +178,28 @@ def _check_sums(model, batch):
                     - r.astype(np.float64) for v, r in zip(variables, resets)]
 
     twice = tuple(tree.map_arrays(_twice, part) for part in batch)
-    for variable, once, both in zip(variables, change(batch), change(twice)):
+    owners = [m for m in metrics for _ in m.variables]
+    for metric, variable, once, both in zip(owners, variables, change(batch), change(twice)):
         if not np.allclose(2 * once, both, rtol=1e-4, atol=1e-6, equal_nan=True):
+            name = _owner(metric, variable).name
             raise UsageError(
-                f"metric variable {variable.path!r} does not add up over examples: it "
-                f"changes by {both.ravel()[:3].tolist()} for a batch twice over but by "
-                f"{once.ravel()[:3].tolist()} for the batch once; kdist merges metrics "
-                "over steps and replicas by summing their variables' changes, so write "
-                "its update as sums over examples (a maximum cannot be merged)")
+                f"metric {name!r} does not add up over examples: its variable "
+                f"{variable.path!r} changes by {both.ravel()[:3].tolist()} for a batch twice "
+                f"over but by {once.ravel()[:3].tolist()} for the batch once; kdist merges "
+                "metrics over steps and replicas by summing their variables' changes, so a "
+                "metric function must return one value per example (Keras averages them), "
+                "not one number for the batch, and a Metric's update must add up over "
+                "examples (a running maximum cannot be merged)")
+
+
+def _owner(metric, variable):
+    """The innermost metric of `metric` (compiled metrics hold others, in lists)
+    whose variables hold `variable`: the one the user named."""
+    for inner in getattr(metric, "_metrics", ()):
+        for candidate in inner if isinstance(inner, (list, tuple)) else (inner,):
+            if candidate is not None and any(v is variable for v in candidate.variables):
+                return _owner(candidate, variable)
+    return metric
 
 
 def _twice(array):
