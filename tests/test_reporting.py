@@ -119,3 +119,10 @@ def test_the_progress_bar_reads_like_the_epoch_line():
 def test_the_banner_counts_one_epoch_in_the_singular():
     assert reporting._count(1, "epoch") == "1 epoch"
     assert reporting._count(10, "epoch") == "10 epochs"
+
+
+@pytest.mark.any_backend  # The banner's words, the same for every engine.
+def test_the_banner_says_a_stream_of_unknown_length_trains_at_most_the_steps_asked():
+    assert reporting._steps_per_epoch(16, None) == "16 steps per epoch"
+    assert reporting._steps_per_epoch(None, 5) == "at most 5 steps per epoch"
+    assert reporting._steps_per_epoch(None, None) == "as many steps per epoch as the data holds"

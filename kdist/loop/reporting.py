@@ -35,8 +35,7 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
         f"{engine.version}",
         f"Replicas: {engine.num_replicas} ({devices})",
         f"Batch: {config.batch_size_per_replica} per replica, {global_batch} global; "
-        f"{'as many' if steps is None else steps} steps per epoch"
-        f"{' as the data holds' if steps is None else ''}, {_count(config.epochs, 'epoch')}"
+        f"{_steps_per_epoch(steps, config.steps_per_epoch)}, {_count(config.epochs, 'epoch')}"
         + _capped_epoch(config, steps, global_batch, dataset.size("train")) + (
             f"; --steps-per-execution {config.steps_per_execution} capped at {chunk}, the "
             "steps of an epoch" if chunk is not None and chunk < config.steps_per_execution
@@ -48,6 +47,16 @@ def banner(engine, config, global_batch, steps, dataset, checkpoint_note, chunk=
     ] + ([f"Precision: {precision}" + (
         " (dynamic loss scaling)" if precision == "mixed_float16" else "")]
          if precision != "float32" else []))
+
+
+def _steps_per_epoch(steps, asked):
+    """"16 steps per epoch"; for a stream of unknown length, "at most 5 steps per
+    epoch" (`asked`: `--steps-per-epoch`) or "as many steps per epoch as the data holds"."""
+    if steps is not None:
+        return f"{steps} steps per epoch"
+    if asked is not None:
+        return f"at most {asked} steps per epoch"
+    return "as many steps per epoch as the data holds"
 
 
 def _capped_epoch(config, steps, global_batch, examples):
