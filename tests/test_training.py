@@ -419,3 +419,31 @@ def test_a_mid_epoch_resume_with_other_training_examples_is_refused(tmp_path):
             training.TrainConfig(**settings), kdist.Dataset(x[:448], y[:448], x[480:],
                                                             y[480:], "toy"),
             model_fn=regularized_classifier)
+
+
+def test_a_run_gives_back_the_callers_random_state_and_distribution(tmp_path, small_dataset):
+    """A run seeds the global random state with its seed (and on JAX sets its own
+    distribution); a script drawing its next trial from NumPy finds it as `fit` leaves it,
+    after a good run and after a failed one."""
+    import random
+
+    def draws():
+        return np.random.uniform(), random.random(), keras.distribution.distribution()
+
+    np.random.seed(123)
+    random.seed(123)
+    expected = draws()
+    np.random.seed(123)
+    random.seed(123)
+    run(config(tmp_path, "good", epochs=1, steps_per_epoch=1), small_dataset)
+    assert draws() == expected
+
+    def failing_model():
+        raise ValueError("a model that cannot be built")
+
+    np.random.seed(123)
+    random.seed(123)
+    with pytest.raises(ValueError, match="cannot be built"):
+        training.train_and_evaluate(config(tmp_path, "failed", epochs=1), small_dataset,
+                                    model_fn=failing_model, log=lambda line: None)
+    assert draws() == expected

@@ -4,8 +4,6 @@ After `connect` the mesh spans every process's devices (JAX multi-process).
 """
 
 import contextlib
-import random
-import sys
 from typing import Any
 
 import jax
@@ -14,13 +12,11 @@ import numpy as np
 from jax._src import distributed as jax_distributed
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
-from keras.src.backend.common import global_state
-from keras.src.random import seed_generator
-from keras.src.utils import rng_utils
 
 from kdist.engines import contract, jax_chunks
 from kdist.engines.jax_step import Primitives
 from kdist.errors import UsageError
+from kdist.runtime import kept
 
 
 def connect(spec, replicas=None):
@@ -33,43 +29,9 @@ def connect(spec, replicas=None):
     across processes cannot run.
     """
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    with _random_state_kept():
+    with kept.global_state_kept():
         keras.distribution.initialize(",".join(spec.addresses), spec.num_workers,
                                       spec.worker_index)
-
-
-# Keras' global random state, as `keras.utils.set_random_seed` sets it.
-_KERAS_RANDOM = (rng_utils.GLOBAL_RANDOM_SEED, seed_generator.GLOBAL_SEED_GENERATOR)
-
-
-@contextlib.contextmanager
-def _random_state_kept():
-    """Leaves Python's, NumPy's, TensorFlow's and Keras' global random state as it was.
-
-    Where Keras has no global seed, `keras.distribution.initialize` seeds them
-    all with a number drawn anew in every run (the same in every process), so a
-    tf.data shuffle with an op seed alone, built after `connect`, would take
-    another order in every run and on resume than in one process. kdist seeds
-    its runs itself (`TrainConfig.seed`).
-    """
-    python, numpy = random.getstate(), np.random.get_state()
-    own = [global_state.get_global_attribute(name) for name in _KERAS_RANDOM]
-    tf_seed = _tf_global_seed()
-    try:
-        yield
-    finally:
-        random.setstate(python)
-        np.random.set_state(numpy)
-        for name, value in zip(_KERAS_RANDOM, own):
-            global_state.set_global_attribute(name, value)
-        if _tf_global_seed() != tf_seed:
-            sys.modules["tensorflow.python.eager.context"].set_global_seed(tf_seed)
-
-
-def _tf_global_seed():
-    """TensorFlow's global seed where TensorFlow is loaded (else None, its default)."""
-    context = sys.modules.get("tensorflow.python.eager.context")
-    return None if context is None else context.global_seed()
 
 
 def connected():
@@ -96,9 +58,9 @@ def _replica_devices(replicas):
         return devices
     if replicas > len(devices):
         raise UsageError(
-            f"--replicas {replicas} but JAX sees {len(devices)} devices; on a CPU set "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={replicas} before jax "
-            "is imported (scripts/train.py does this for you)")
+            f"--replicas {replicas} but JAX sees {len(devices)} devices; on a CPU call "
+            f"kdist.prepare_environment(replicas={replicas}) before keras or jax is "
+            "imported (kdist-train does this for you)")
     return devices[:replicas]
 
 

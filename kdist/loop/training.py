@@ -27,6 +27,7 @@ from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
 from kdist.loop.result import TrainingResult, epoch_logs, keras_history
 from kdist.loop.run import Run
 from kdist.models.cnn import create_model
+from kdist.runtime import kept
 from kdist.step.optimizer import finalize_weights, learning_rates
 from kdist.workers import interrupt
 from kdist.workers.processes import REPLICA_PROCESSES_VARIABLE
@@ -85,6 +86,14 @@ def train_and_evaluate(
     checks.check_config(config)
     hooks.check_callbacks(callbacks)
     joining.join_from_environment()  # Several workers: a script under a cluster's launcher.
+    with kept.global_state_kept():  # Seeds and, on JAX, the distribution: the caller's after.
+        return _run(config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss, log, stop,
+                    callbacks)
+
+
+def _run(config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss, log, stop, callbacks):
+    """`train_and_evaluate` after its checks: the run here, or in torch's replica
+    processes, then the model in hand."""
     names = building.object_names()  # Every model this run builds names its objects alike.
     with interrupt.stop_of_run(stop, engines.connected()) as stop:
         processes = engines.replica_processes(config.replicas)
