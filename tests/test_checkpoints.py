@@ -142,6 +142,12 @@ def test_another_optimizer_is_a_clear_error_before_loading(tmp_path):
     sgd, _ = building.build(engine, create_model, keras.optimizers.SGD, 0.1)
     before = [keras.ops.convert_to_numpy(v) for v in sgd.weights]
     with pytest.raises(checkpoints.CheckpointError, match=(
+            f"^{path} was written for a different model: its optimizer 'optimizer' was "
+            "Adam, and this model's is SGD: the state of one is not the other's")):
+        checkpoints.restore(sgd, path, hint="start over")
+    with h5py.File(path, "a") as f:  # As written before the classes were recorded.
+        del f.attrs["kdist_optimizer_classes"]
+    with pytest.raises(checkpoints.CheckpointError, match=(
             f"^{path} was written for a different model: it holds 18 state variables of "
             r"optimizer 'optimizer', and this model's SGD has 2 \(another optimizer, or "
             r"other weights\); start over$")):
@@ -154,6 +160,39 @@ def test_another_optimizer_is_a_clear_error_before_loading(tmp_path):
         checkpoints.restore(sgd, path, optimizers=False)  # To evaluate: the weights load.
     np.testing.assert_array_equal(keras.ops.convert_to_numpy(sgd.weights[0]),
                                   keras.ops.convert_to_numpy(model.weights[0]))
+
+
+def test_a_resume_with_another_optimizer_or_rate_is_refused_or_named(tmp_path):
+    """SGD with momentum and Lion hold one slot per weight: Lion had taken SGD's
+    momentum and its learning rate (30 times Lion's) as its own, silently."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = kdist.Dataset(x, x, x, x, "toy")
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=SEVERAL,
+                                  checkpoint_dir=str(tmp_path))
+
+    def model_fn(optimizer):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+        model.compile(optimizer=optimizer, loss="mse")
+        return model
+
+    kdist.train_and_evaluate(config, data, log=lambda line: None,
+                             model_fn=lambda: model_fn(keras.optimizers.SGD(0.1, momentum=0.9)))
+    with pytest.raises(checkpoints.CheckpointError, match=(
+            r"ckpt-\d+.weights.h5 was written for a different model: its optimizer "
+            r"'optimizer' was SGD, and this model's is Lion")):
+        kdist.train_and_evaluate(dataclasses.replace(config, epochs=2), data,
+                                 log=lambda line: None,
+                                 model_fn=lambda: model_fn(keras.optimizers.Lion(0.003)))
+
+    # The same optimizer compiled with another rate: the checkpoint's rate (what a
+    # callback set) goes on, as BackupAndRestore restores it in fit, and the banner says so.
+    lines = []
+    result = kdist.train_and_evaluate(
+        dataclasses.replace(config, epochs=2), data, log=lines.append,
+        model_fn=lambda: model_fn(keras.optimizers.SGD(0.01, momentum=0.9)))
+    assert "; learning rate 0.1 from the checkpoint, not the 0.01 compiled" in lines[0]
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(result.model.optimizer.learning_rate), 0.1)
 
 
 def two_layers(first_trains):

@@ -10,8 +10,10 @@ still read; for them only the finiteness is checked.
 The file also holds what `save_weights` leaves out or changes: the seed
 generators' state and the unmerged variables of layers with LoRA enabled
 (`kdist.checkpoints.unsaved`). A root attribute `kdist_optimized` names the
-weights each optimizer updates (their indices in `model.weights`), so a
-resume whose model trains other weights is refused, not given their state.
+weights each optimizer updates (their indices in `model.weights`), and
+`kdist_optimizer_classes` each optimizer's class, so a resume whose model
+trains other weights, or with another kind of optimizer, is refused, not
+given their state.
 
 Keras writes the file into memory (`Buffer`), and kdist copies the bytes to
 disk with plain file I/O: a full disk then raises `OSError` in Python instead
@@ -42,6 +44,7 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "train_examples": (int, type(None)), "steps_per_epoch": (int, type(None)),
     "learning_rate": (float, int, type(None))}
 OPTIMIZED = "kdist_optimized"  # Which weights each optimizer updates (`_optimized`).
+CLASSES = "kdist_optimizer_classes"  # Each optimizer's class (`_classes`).
 
 
 class Buffer(io.BytesIO):
@@ -60,6 +63,7 @@ def snapshot(model):
     model.save_weights(buffer)
     with h5py.File(buffer, "a") as f:
         f.attrs[OPTIMIZED] = json.dumps(_optimized(model))
+        f.attrs[CLASSES] = json.dumps(_classes(model))
         unsaved.write(model, f)
     return buffer
 
@@ -70,6 +74,14 @@ def _optimized(model):
     those weights' slots, in that order."""
     index = {id(w): i for i, w in enumerate(model.weights)}
     return {name: [index.get(id(v), -1) for v in optimizer._trainable_variables]
+            for name, optimizer in _held_optimizers(model) if optimizer.built}
+
+
+def _classes(model):
+    """{attribute: class name} of each built optimizer the model holds, the class
+    a `LossScaleOptimizer` wraps for it (its state is that class's, and a resume
+    may add or drop the wrapper with the precision)."""
+    return {name: type(getattr(optimizer, "inner_optimizer", optimizer)).__name__
             for name, optimizer in _held_optimizers(model) if optimizer.built}
 
 
@@ -174,7 +186,8 @@ def load(model, data, optimizers=True):
 def _check_optimizer_state(f, model):
     """Raises InvalidCheckpoint if open file `f` holds, for an optimizer the
     model holds as an attribute (`optimizer`, a GAN's `d_optimizer`: Keras
-    writes its state under that name), another count of state variables than
+    writes its state under that name), another class (Adam's moments would
+    become Adamax's, SGD's rate a Lion's), another count of state variables than
     that optimizer has once built (Adam 2 per weight and 2 of its own, SGD 2 of
     its own). Keras would skip that state with a warning and train on with a
     fresh optimizer. Nor may the optimizer have updated other weights of the
@@ -183,10 +196,17 @@ def _check_optimizer_state(f, model):
     shape. An optimizer not yet built (evaluation: it holds its step count
     and learning rate alone) is not checked."""
     written = _json_attribute(f, OPTIMIZED) if OPTIMIZED in f.attrs else {}
-    built = _optimized(model)
+    classes = _json_attribute(f, CLASSES) if CLASSES in f.attrs else {}  # Older: none.
+    built, kinds = _optimized(model), _classes(model)
     for name, value in _held_optimizers(model):
         if not value.built:
             continue
+        if classes.get(name, kinds[name]) != kinds[name]:
+            raise InvalidCheckpoint(
+                f"its optimizer {name!r} was {classes[name]}, and this model's is "
+                f"{kinds[name]}: the state of one is not the other's; to go on from its "
+                "weights with a fresh optimizer, start in another checkpoint folder from a "
+                "model_fn that loads them")
         has = len(value.variables)
         holds = len(f[f"{name}/vars"]) if f"{name}/vars" in f else 0
         if holds != has:

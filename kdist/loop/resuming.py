@@ -2,11 +2,13 @@
 a resume in the middle of an epoch counts the examples it was written in."""
 
 import dataclasses
+import math
 import os
 
 from kdist import checkpoints, records
 from kdist.errors import UsageError
 from kdist.loop.chunks import totals_from_json
+from kdist.step.optimizer import learning_rates
 
 
 def resume_position(config, manager, latest, model, step, order, own_shares=False):
@@ -26,6 +28,8 @@ def resume_position(config, manager, latest, model, step, order, own_shares=Fals
     if latest is None:
         return records.Position(), "starting fresh", None
     path, meta = latest
+    rates = learning_rates(step.optimizers)
+    compiled = [float(rate.numpy()) for rate in rates]
     checkpoints.restore(model, path, hint="use another --checkpoint-dir, or --no-resume to "
                                           "start over")
     # kdist built the optimizer: a rate other than the checkpoint's run was given
@@ -53,9 +57,20 @@ def resume_position(config, manager, latest, model, step, order, own_shares=Fals
     steps = meta.get("steps_per_epoch") if same_batch else None
     writer = (f"{meta['backend']} with {meta['replicas']} replica(s)" if "backend" in meta
               else "an older kdist")  # Format 1.
-    rate = f"; learning rate {config.learning_rate:g} from now on" if changed_rate else ""
+    rate = (f"; learning rate {config.learning_rate:g} from now on" if changed_rate else
+            _kept_rates(compiled, [float(rate.numpy()) for rate in rates]))
     return (position, f"resumed from {os.path.basename(path)} ({where}; written by "
                       f"{writer}){rate}", steps)
+
+
+def _kept_rates(compiled, restored):
+    """"; learning rate 0.1 from the checkpoint, not the 0.01 compiled" where a
+    checkpoint's rates (what callbacks set) replace other compiled ones, as
+    `fit`'s `BackupAndRestore` restores them; else ""."""
+    changed = [(new, old) for old, new in zip(compiled, restored)
+               if not math.isclose(old, new, rel_tol=1e-6)]
+    return "".join(f"; learning rate {new:g} from the checkpoint, not the {old:g} compiled"
+                   for new, old in changed)
 
 
 def _check_mid_epoch(path, position, written, order, own_shares):
