@@ -325,6 +325,22 @@ def test_non_finite_weights_are_never_written(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [os.path.basename(good)]
 
 
+def test_non_finite_bfloat16_weights_are_never_written(tmp_path):
+    """Keras stores bfloat16 as opaque 2-byte values: an infinity in them had been
+    written and restored unseen."""
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, dtype="bfloat16")])
+    model.compile(optimizer="sgd", loss="mse")
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    manager.prepare()
+    save(manager, model, 1)  # Finite: written.
+    kernel = model.layers[-1].kernel
+    kernel.assign(np.array([[np.inf, 1.0], [0.5, -2.0], [1.0, 3.0]], np.float32))
+    with pytest.raises(checkpoints.CheckpointError,
+                       match="refusing to write checkpoint .*ckpt-00000002.*non-finite values "
+                             "in layers/dense/vars/0"):
+        save(manager, model, 2)
+
+
 def write_format_1(model, path, step):
     """A checkpoint as kdist wrote them before checksums (format 1)."""
     model.save_weights(path)

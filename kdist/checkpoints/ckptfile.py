@@ -269,6 +269,15 @@ def _fit_optimizer_layout(data, optimizer):
     return buffer.getvalue()
 
 
+def _finite(value, declared):
+    """Whether every number in dataset `value` is finite. Keras stores bfloat16 as
+    2-byte opaque values with a `dtype` attribute "bfloat16": all 8 exponent bits
+    set is an infinity or a NaN."""
+    if declared == "bfloat16" and value.dtype.itemsize == 2:
+        return not ((value.view(np.uint16) & 0x7F80) == 0x7F80).any()
+    return value.dtype.kind not in "fc" or bool(np.isfinite(value).all())
+
+
 def _scan(f):
     """(SHA-256 of every dataset, names of datasets with non-finite values)."""
     names = []
@@ -278,6 +287,6 @@ def _scan(f):
         value = np.ascontiguousarray(f[name][()])
         digest.update(f"{name}|{value.dtype.str}|{value.shape}\n".encode())
         digest.update(value.tobytes())
-        if value.dtype.kind in "fc" and not np.isfinite(value).all():
+        if not _finite(value, f[name].attrs.get("dtype")):
             bad.append(name)
     return "sha256:" + digest.hexdigest(), bad
