@@ -160,6 +160,18 @@ def test_keras_objects_that_pickling_would_change_are_refused_before_any_process
     assert vars(made_inside).keys() == vars(outside).keys()
 
 
+def test_a_trained_model_made_outside_model_fn_is_refused_naming_it():
+    """A model in hand from an earlier run, given to another: its built optimizer
+    would reach the replica processes without its state."""
+    trained = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)], name="earlier")
+    trained.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    trained.optimizer.build(trained.trainable_variables)
+    with pytest.raises(UsageError, match=(
+            "SGD compiled into model 'earlier' made outside model_fn would reach the replica "
+            r"processes changed: .* leaves out its state \(it is built")):
+        replicas.run(2, one_step_and_evaluation, dict(dataset=None, model=trained))
+
+
 def test_keras_objects_that_pickling_keeps_travel():
     objects = [keras.losses.Huber(), keras.optimizers.SGD(0.3, momentum=0.9, clipnorm=1.0),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=2),

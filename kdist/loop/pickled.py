@@ -41,11 +41,13 @@ class _Pickler(cloudpickle.Pickler):
                         *keras.tree.flatten(getattr(obj, "loss", None))]
             for part in compiled:
                 if isinstance(part, _CHECKED):
-                    _refuse_changed(part)
+                    _refuse_changed(part, obj)
         return super().reducer_override(obj)
 
 
-def _refuse_changed(obj):
+def _refuse_changed(obj, model=None):
+    """Raises UsageError if `obj` (compiled into `model`, if given) would arrive
+    with other settings than it has here."""
     arrived = vars(pickle.loads(pickle.dumps(obj)))  # Keras' own pickling.
     for name, value in vars(obj).items():
         sent = _plain(value)
@@ -54,11 +56,14 @@ def _refuse_changed(obj):
         was = _plain(arrived.get(name, _OPAQUE))
         change = (", ".join(f"{key}={sent[key]!r} (it arrives as {was.get(key)!r})"
                             for key in sent if was.get(key, _OPAQUE) != sent[key])
-                  if isinstance(sent, dict) and isinstance(was, dict) else name)
+                  if isinstance(sent, dict) and isinstance(was, dict)
+                  else "its state (it is built: trained or restored)" if name == "built"
+                  else name)
+        where = "" if model is None else f" compiled into model {model.name!r}"
         raise UsageError(
-            f"{type(obj).__name__} made outside model_fn would reach the replica processes "
-            f"changed: Keras pickles it through its config, which leaves out {change}; "
-            "create it inside model_fn, which each replica process calls")
+            f"{type(obj).__name__}{where} made outside model_fn would reach the replica "
+            f"processes changed: Keras pickles it through its config, which leaves out "
+            f"{change}; create it inside model_fn, which each replica process calls")
 
 
 def _plain(value):
