@@ -42,7 +42,7 @@ FIELDS: dict[str, type | tuple[type, ...]] = {
     "totals": (dict, type(None)), "history": list, "stopped": bool, "backend": str,
     "replicas": int, "global_batch_size": int, "seed": int, "workers": int,
     "train_examples": (int, type(None)), "steps_per_epoch": (int, type(None)),
-    "learning_rate": (float, int, type(None))}
+    "learning_rate": (float, int, type(None)), "compiled_rates": list}
 OPTIMIZED = "kdist_optimized"  # Which weights each optimizer updates (`_optimized`).
 CLASSES = "kdist_optimizer_classes"  # Each optimizer's class (`_classes`).
 

@@ -11,14 +11,16 @@ from kdist.loop.chunks import totals_from_json
 from kdist.step.optimizer import learning_rates
 
 
-def resume_position(config, manager, latest, model, step, order, own_shares=False):
+def resume_position(config, manager, latest, model, step, order, own_shares=False,
+                    compiled=()):
     """Restores the newest checkpoint unless told not to.
 
     Returns (the `Position` to start from, a note for the banner, the steps
     per epoch the checkpoint records, if any, and if it was written with
     this run's global batch). `latest`: the manager's newest checkpoint, read
     if `config.resume`; `order`: this run's `Run.order`; `own_shares`:
-    whether each worker reads its own share of the training data. A
+    whether each worker reads its own share of the training data;
+    `compiled`: the optimizers' `compiled_rates` before the restore. A
     checkpoint in the middle of an epoch resumes only where it counts the
     same examples (`_check_mid_epoch`).
     """
@@ -28,8 +30,6 @@ def resume_position(config, manager, latest, model, step, order, own_shares=Fals
     if latest is None:
         return records.Position(), "starting fresh", None
     path, meta = latest
-    rates = learning_rates(step.optimizers)
-    compiled = [float(rate.numpy()) for rate in rates]
     checkpoints.restore(model, path, hint="use another --checkpoint-dir, or --no-resume to "
                                           "start over")
     # kdist built the optimizer: a rate other than the checkpoint's run was given
@@ -58,19 +58,27 @@ def resume_position(config, manager, latest, model, step, order, own_shares=Fals
     writer = (f"{meta['backend']} with {meta['replicas']} replica(s)" if "backend" in meta
               else "an older kdist")  # Format 1.
     rate = (f"; learning rate {config.learning_rate:g} from now on" if changed_rate else
-            _kept_rates(compiled, [float(rate.numpy()) for rate in rates]))
+            _kept_rates(meta.get("compiled_rates"), compiled, compiled_rates(step))
+            if config.learning_rate is None else "")
     return (position, f"resumed from {os.path.basename(path)} ({where}; written by "
                       f"{writer}){rate}", steps)
 
 
-def _kept_rates(compiled, restored):
-    """"; learning rate 0.1 from the checkpoint, not the 0.01 compiled" where a
-    checkpoint's rates (what callbacks set) replace other compiled ones, as
-    `fit`'s `BackupAndRestore` restores them; else ""."""
-    changed = [(new, old) for old, new in zip(compiled, restored)
-               if not math.isclose(old, new, rel_tol=1e-6)]
-    return "".join(f"; learning rate {new:g} from the checkpoint, not the {old:g} compiled"
-                   for new, old in changed)
+def compiled_rates(step):
+    """The rates of the step's optimizers, but those following a schedule: as
+    compiled before a checkpoint is restored, the checkpoint's after."""
+    return [float(rate.numpy()) for rate in learning_rates(step.optimizers)]
+
+
+def _kept_rates(written, compiled, restored):
+    """"; learning rate 0.1 from the checkpoint, not the 0.01 compiled" where this
+    run compiles other rates than the checkpoint's run did (`written`; None: not
+    recorded) and the checkpoint's (what callbacks set) go on, as `fit`'s
+    `BackupAndRestore` restores them; else ""."""
+    return "".join(
+        f"; learning rate {new:g} from the checkpoint, not the {now:g} compiled"
+        for old, now, new in zip(written or (), compiled, restored)
+        if not math.isclose(old, now, rel_tol=1e-6))
 
 
 def _check_mid_epoch(path, position, written, order, own_shares):

@@ -67,9 +67,11 @@ class Run:
             building.check_labels(dataset, self.model)
             latest = self.manager.latest() if config.resume else None
             agreement.check_start(self, sample, latest)
+            self.compiled_rates = resuming.compiled_rates(self.step)  # Recorded by `save`.
             self.position, self.note, steps = resuming.resume_position(
                 config, self.manager, latest, self.model, self.step, self.order,
-                own_shares=getattr(dataset.train, "own_shares", False))
+                own_shares=getattr(dataset.train, "own_shares", False),
+                compiled=self.compiled_rates)
             self.steps = self.steps if self.steps is not None else steps
             self.note += pipelines.resume_note(dataset.train, self.position.step_in_epoch,
                                                self.global_batch, self.engine.shard[1])
@@ -155,7 +157,7 @@ class Run:
             self.model, step=step, metadata=dict(
                 position.as_metadata(), **self.order, backend=self.engine.backend,
                 replicas=self.engine.num_replicas, steps_per_epoch=self.steps,
-                learning_rate=self.config.learning_rate)))
+                learning_rate=self.config.learning_rate, compiled_rates=self.compiled_rates)))
         self.saved_step, self.saved_time = step, time.monotonic()
 
     def report_writes(self, log, wait=False, progress=None):
