@@ -165,8 +165,10 @@ def test_evaluating_a_checkpoint_of_another_model_names_no_training_flag(tmp_pat
     path = other_model_checkpoint(tmp_path)
     result = script(EVALUATE, "--synthetic", "600", "--checkpoint-dir", str(tmp_path))
     assert result.returncode == 1
-    assert result.stderr == (f"evaluate.py: error: {path} was written for a different model; "
-                             "evaluate it with the model it was trained with (--model)\n")
+    assert result.stderr == (f"evaluate.py: error: {path} was written for a different model: "
+                             "its weight 0 has shape (784, 10), this model's "
+                             "'fashion_cnn/conv2d/kernel' (3, 3, 1, 32); evaluate it with the "
+                             "model it was trained with (--model)\n")
     flags = set(re.findall(r"--[a-z-]+", script(EVALUATE, "--help").stdout))
     assert set(re.findall(r"--[a-z-]+", result.stderr)) <= flags
 

@@ -204,6 +204,12 @@ def test_a_checkpoint_for_other_seed_generators_is_refused(tmp_path):
     with pytest.raises(checkpoints.CheckpointError,
                        match=r"state of 1 random seed generator\(s\); the model has 2"):
         checkpoints.restore(two_dropouts, path)
+    # A checkpoint of none (its file has no group of them) into a model with one: a
+    # Dropout added between two runs in one folder had resumed silently.
+    path = manager.save(bn_dropout_cnn(dropouts=0), 2, {})
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=r"state of 0 random seed generator\(s\); the model has 1"):
+        checkpoints.restore(model, path)
 
 
 # -- c. dropout masks: per replica, per step, from the seed, off in evaluation ---------

@@ -18,6 +18,15 @@ def model_signature(model):
     return [list(v.shape) for v in model.weights]
 
 
+def _first_difference(signature, model):
+    """Where checkpoint `signature` and `model`'s weights first differ, in words."""
+    for i, (written, weight) in enumerate(zip(signature, model.weights)):
+        if list(weight.shape) != written:
+            return (f"its weight {i} has shape {tuple(written)}, this model's "
+                    f"{weight.path!r} {tuple(weight.shape)}")
+    return f"it holds {len(signature)} weights, this model has {len(model.weights)}"
+
+
 def read_metadata(path):
     """kdist's state stored in checkpoint `path` (unverified); raises if it is not one."""
     return ckptfile.read_metadata(path)
@@ -57,7 +66,8 @@ def restore(model, path, hint=None, optimizers=True):
     data, metadata = read_verified(path)
     end = f"; {hint}" if hint else ""
     if metadata["signature"] != model_signature(model):
-        raise CheckpointError(f"{path} was written for a different model{end}")
+        raise CheckpointError(f"{path} was written for a different model: "
+                              f"{_first_difference(metadata['signature'], model)}{end}")
     try:
         ckptfile.load(model, data, optimizers)
     except InvalidCheckpoint as e:  # Its optimizers or seed generators are not the model's.

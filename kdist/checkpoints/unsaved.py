@@ -16,8 +16,8 @@ Two groups of datasets, one per variable in the order of `model.variables`:
 
 Keras' own `load_weights` ignores both groups: a model without LoRA layers
 reads the merged kernel, as from a file Keras wrote (kdist's `restore`
-refuses it: its weights differ). Files without a group load with the model's
-generators or LoRA factors as Keras leaves them.
+refuses it: its weights differ). A file without a group holds none of them:
+a model that has some is another model.
 """
 
 import numpy as np
@@ -61,11 +61,12 @@ def read(model, f):
     model has."""
     for name, variables_of, what in _GROUPS:
         variables = variables_of(model)
-        if name not in f:
+        held = len(f[name]) if name in f else 0  # `write` leaves out an empty group.
+        if held != len(variables):
+            raise InvalidCheckpoint(f"it holds {what.format(held)}; the model has "
+                                    f"{len(variables)}")
+        if not held:
             continue
         group = f[name]
-        if len(group) != len(variables):
-            raise InvalidCheckpoint(f"it holds {what.format(len(group))}; the model has "
-                                    f"{len(variables)}")
         for i, variable in enumerate(variables):
             variable.assign(group[str(i)][()].astype(variable.dtype))
