@@ -116,6 +116,9 @@ def build_metrics(model, x, y, sample_weight=None):
     if not model.compiled:
         raise UsageError("the model is not compiled: call model.compile(optimizer=..., "
                          "loss=..., metrics=[...]) in model_fn, as for fit")
+    # Tensors, as `fit` hands a step: a metric function may compute `y_true - y_pred`
+    # (on torch, a NumPy array minus a tensor that needs gradients fails).
+    x, y, sample_weight = tree.map_arrays(ops.convert_to_tensor, (x, y, sample_weight))
     build_as_fit(model, x)
     kept = [(v, np.array(v.numpy())) for v in model.variables]
     y_pred = model(x, training=False)
