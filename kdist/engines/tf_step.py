@@ -4,6 +4,7 @@ offsets, the updates a step assigns, and Keras' losses as on one device."""
 
 import contextlib
 
+import keras
 import tensorflow as tf
 from keras.src.losses import loss as loss_module  # Its replica scaling (see below).
 
@@ -40,7 +41,7 @@ def assign_updates(context, variables, changed, offsets):
     updated = [(v, changed[id(v)], o) for v, o in zip(variables, offsets) if id(v) in changed]
     declared = [(v, new) for v, new, o in updated if o is None and v.aggregation != "none"]
     floats = [(v, new) for v, new, o in updated
-              if o is None and v.aggregation == "none" and _is_float(v)]
+              if o is None and v.aggregation == "none" and keras.backend.is_float_dtype(v.dtype)]
     first = tf.equal(context.replica_id_in_sync_group, 0)
     for variable, new in declared:  # TensorFlow aggregates what each replica assigns:
         if variable.aggregation == "sum":  # it sums the first replica's new value
@@ -55,13 +56,8 @@ def assign_updates(context, variables, changed, offsets):
     for variable, new, offset in updated:
         if offset is not None:
             variable.assign(new - offset)
-        elif variable.aggregation == "none" and not _is_float(variable):
+        elif variable.aggregation == "none" and not keras.backend.is_float_dtype(variable.dtype):
             variable.assign(new)
-
-
-def _is_float(variable):
-    """Whether `variable` holds floats: float16/32/64, bfloat16 and float8 alike."""
-    return "float" in variable.dtype
 
 
 @contextlib.contextmanager

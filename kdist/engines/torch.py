@@ -208,7 +208,7 @@ class Engine(contract.Engine):
         rest (seed states, the same in every process) as assigned."""
         updated = [(v, changed[id(v)]) for v in self.program.variables if id(v) in changed]
         kinds = [v.aggregation if v.aggregation in ("sum", "only_first_replica")
-                 else "mean" if _is_float(v) else None for v, _ in updated]
+                 else "mean" if keras.backend.is_float_dtype(v.dtype) else None for v, _ in updated]
         first = self.shard[0] == 0
         parts = [new / self.num_replicas if kind == "mean" else
                  (new - v.value) * (1 if kind == "sum" or first else 0)
@@ -291,7 +291,3 @@ class Engine(contract.Engine):
 
     def sync_from_model(self):
         """The steps read the variables themselves: nothing to take back."""
-
-
-def _is_float(variable):
-    return "float" in str(variable.dtype)
