@@ -37,6 +37,7 @@ from kdist import tree
 from kdist.errors import UsageError
 from kdist.step import compiled, portable, reductions
 from kdist.step import context as step_context
+from kdist.step import logs as step_logs
 from kdist.step import optimizer as step_optimizer
 
 PHASES = ("train", "test")
@@ -86,6 +87,7 @@ class Program:
         self.reset_values = [np.array(v.numpy()) for v in self.metric_variables]
         self._take_variables()
         self.names: dict[str, list[str]] = {"train": [], "test": []}
+        self.results_as: dict[str, dict[str, str]] = {"train": {}, "test": {}}
         self.draws: dict[str, list] = {"train": [], "test": []}
         self.scalar_keys: list[str] = []
         self.keys: tuple[str, ...] = ()
@@ -145,7 +147,8 @@ class Program:
             with engine.scope():
                 tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
                 watch: Any = portable.watching() if own else contextlib.nullcontext([])
-                with watch as calls, step_optimizer.refusing_unknown(self.optimizers):
+                with watch as calls, step_optimizer.refusing_unknown(self.optimizers), \
+                        step_logs.results_recorded(self.metrics) as returned_as:
                     logs, _ = self._call(context, phase, tensors + ((),))
             if calls:
                 function, path, line = calls[0]
@@ -154,9 +157,11 @@ class Program:
                     "keras, keras.ops and kdist's primitives only, so that it runs on every "
                     "backend")
             self.names[phase] = list(logs)
+            self.results_as[phase] = {key: name for key, name in returned_as(logs).items()
+                                      if key not in by_name}
             self.draws[phase] = context.recorded_draws
             for name, value in logs.items():
-                if name not in by_name:
+                if name not in by_name and name not in self.results_as[phase]:
                     if value is None or len(ops.shape(value)) != 0:
                         raise UsageError(
                             f"the {phase}_step returns {name!r} of shape "
@@ -201,7 +206,8 @@ class Program:
             if not isinstance(logs, dict):
                 raise UsageError(f"the {phase}_step returns {type(logs).__name__}; return a "
                                  "dict of scalars or metric results, as Keras' train_step does")
-            logs = {name: _value(value) for name, value in _flat(logs).items()}
+            logs = {name: step_logs.read(phase, name, value)
+                    for name, value in step_logs.flat(logs).items()}
         return logs, scope
 
     def _statistics(self, logs, scope, context):
@@ -231,7 +237,7 @@ class Program:
                     f"({error}): Keras makes them at its first update_state; make them where "
                     "the model makes the metric: call its update_state once on zeros of the "
                     "shapes it takes, then its reset_state()") from error
-            results = _flat(value) if isinstance(value, dict) else {metric.name: value}
+            results = step_logs.flat(value) if isinstance(value, dict) else {metric.name: value}
             for name, result in results.items():
                 if len(ops.shape(result)) != 0:
                     raise UsageError(
@@ -251,10 +257,12 @@ class Program:
         with keras.StatelessScope(state_mapping=mapping):  # Reads these; assigns nothing.
             for metric in self.metrics:
                 value = metric.result()
-                values = _flat(value) if isinstance(value, dict) else {metric.name: value}
+                values = (step_logs.flat(value) if isinstance(value, dict)
+                          else {metric.name: value})
                 merged.update({k: float(np.asarray(keras.ops.convert_to_numpy(v)))
                                for k, v in values.items()})
-        return {name: merged[name] if name in merged else
+        result_of = {**self.results_as[phase], **{name: name for name in merged}}
+        return {name: merged[result_of[name]] if name in result_of else
                 float(totals[f"{name}_sum"]) / count for name in self.names[phase]}
 
     def metric_names(self, phase="train"):
@@ -293,28 +301,6 @@ def defines(model, name):
         if name in vars(cls):
             return True
     return False
-
-
-def _flat(logs):
-    """A step's logs (or a metric's result) with each nested dict's entries in its
-    place, as `fit` flattens them: the Keras guide's step returns the compiled
-    metrics' `result()`, a dict, under "compile_metrics", and a metric whose
-    result is a dict reports its entries."""
-    flat: dict[str, Any] = {}
-    for name, value in logs.items():
-        flat.update(_flat(value) if isinstance(value, dict) else {name: value})
-    return flat
-
-
-def _value(logged):
-    """What a step returned, read inside its scope: a variable's value after the
-    step's assignments (not the variable, read later), a Python or NumPy number
-    as a tensor."""
-    if isinstance(logged, keras.Variable):
-        return logged.value
-    if isinstance(logged, (int, float, np.number)):
-        return ops.convert_to_tensor(logged, "float32")
-    return logged
 
 
 def _unique(items):
