@@ -21,7 +21,7 @@ from test_training import checkpoint_arrays
 
 from kdist import checkpoints, engines, tree
 from kdist.engines import contract
-from kdist.errors import Interrupted, TrainingError, UsageError
+from kdist.errors import Interrupted, TrainingError, UsageError, WorkerLost
 from kdist.loop import chunks, pickled, replicas
 from kdist.runtime import memory
 from kdist.workers import cluster
@@ -279,6 +279,26 @@ def test_processes_ended_by_a_stop_signal_while_joining_are_an_interruption():
     assert raised.value.exit_status == 128 + signal.SIGTERM
     with pytest.raises(TrainingError, match="replica process 0 exited with status 137"):
         replicas._outcome([ended_by(signal.SIGKILL), ended_by(signal.SIGTERM)], {})
+
+
+def test_a_replicas_own_failure_is_raised_before_the_lost_collective_it_caused():
+    # A step that raised in one process (a label out of range in its share) left the
+    # other's all-reduce to fail: the run ended in that WorkerLost ("... resumes from
+    # the newest checkpoint"), and the cause's traceback was never printed.
+    done = [subprocess.Popen(["true"]) for _ in range(2)]
+    for process in done:
+        process.wait(timeout=30)
+    lost = ("error", (WorkerLost, "lost the other workers mid-run (RuntimeError: Connection "
+                      "closed by peer)", {}, None))
+    failed = ("error", (TrainingError, "IndexError: Target 3 is out of bounds.", {},
+                        "Traceback ...\nIndexError: Target 3 is out of bounds.\n"))
+    for reported in ({0: lost, 1: failed}, {1: failed, 0: lost}):
+        with pytest.raises(TrainingError, match="^IndexError: Target 3") as raised:
+            replicas._outcome(done, reported)
+        assert not isinstance(raised.value, WorkerLost)
+    refused = ("error", (UsageError, "the train_step returns 'note', a str", {}, None))
+    with pytest.raises(UsageError, match="returns 'note'"):  # kdist's own error stays first.
+        replicas._outcome(done, {1: failed, 0: refused})
 
 
 # Not --quiet: the chief has lines for the dead parent. A checkpoint every 100 steps marks

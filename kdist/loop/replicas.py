@@ -47,7 +47,7 @@ from multiprocessing import connection
 import cloudpickle
 
 from kdist import hints
-from kdist.errors import Interrupted, TrainingError, UsageError
+from kdist.errors import Interrupted, TrainingError, UsageError, WorkerLost
 from kdist.loop import pickled
 from kdist.runtime import memory
 from kdist.workers import cluster
@@ -212,9 +212,10 @@ def _outcome(processes, reported):
             raise TrainingError(f"replica process {rank} exited with status "
                                 f"{exit_status(process.poll())} without a result; "
                                 "stopped the others")
-    # kdist's own errors first: another process's failure in a collective follows them.
+    # kdist's own errors first, then the others (a step's own exception); last a
+    # `WorkerLost`: a collective that failed because another process left.
     causes = sorted((e for _, e in errors if not isinstance(e, Interrupted)),
-                    key=lambda e: e.replica_traceback is not None)
+                    key=lambda e: (isinstance(e, WorkerLost), e.replica_traceback is not None))
     if causes:
         raise _raised(causes[0])
     if errors:
