@@ -149,8 +149,9 @@ def test_another_optimizer_is_a_clear_error_before_loading(tmp_path):
         del f.attrs["kdist_optimizer_classes"]
     with pytest.raises(checkpoints.CheckpointError, match=(
             f"^{path} was written for a different model: it holds 18 state variables of "
-            r"optimizer 'optimizer', and this model's SGD has 2 \(another optimizer, or "
-            r"other weights\); start over$")):
+            r"optimizer 'optimizer', and this model's SGD has 2 \(a learning-rate schedule "
+            r"in place of a constant rate or the reverse, use_ema turned on or off, another "
+            r"optimizer, or other weights\); start over$")):
         checkpoints.restore(sgd, path, hint="start over")
     for value, variable in zip(before, sgd.weights):  # Nothing loaded.
         np.testing.assert_array_equal(keras.ops.convert_to_numpy(variable), value)
@@ -193,6 +194,34 @@ def test_a_resume_with_another_optimizer_or_rate_is_refused_or_named(tmp_path):
     assert "; learning rate 0.1 from the checkpoint, not the 0.01 compiled" in lines[0]
     np.testing.assert_allclose(
         keras.ops.convert_to_numpy(result.model.optimizer.learning_rate), 0.1)
+
+
+def test_an_optimizer_held_under_a_private_name_too_resumes(tmp_path):
+    """Keras writes an optimizer's state under the first of its names in the
+    order its saving walks them, private names last (`optimizer`, then
+    `_alias`): kdist looked for `_alias`, which holds nothing, and refused every
+    resume of the unchanged script ("holds 0 state variables")."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = kdist.Dataset(x, x, x, x, "toy")
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=1,
+                                  checkpoint_dir=str(tmp_path))
+
+    def model_fn(schedule=False):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+        rate = keras.optimizers.schedules.ExponentialDecay(0.1, 4, 0.5) if schedule else 0.1
+        model.compile(optimizer=keras.optimizers.SGD(rate, momentum=0.9), loss="mse")
+        model._alias = model.optimizer
+        return model
+
+    kdist.train_and_evaluate(config, data, model_fn=model_fn, log=lambda line: None)
+    result = kdist.train_and_evaluate(dataclasses.replace(config, epochs=2), data,
+                                      model_fn=model_fn, log=lambda line: None)
+    assert int(result.model.optimizer.iterations) == 8
+    with pytest.raises(checkpoints.CheckpointError, match=(
+            "holds 4 state variables of optimizer 'optimizer', and this model's SGD has 3 "
+            r"\(a learning-rate schedule in place of a constant rate or the reverse")):
+        kdist.train_and_evaluate(dataclasses.replace(config, epochs=3), data,
+                                 model_fn=lambda: model_fn(schedule=True), log=lambda line: None)
 
 
 def two_layers(first_trains):

@@ -87,11 +87,15 @@ def _classes(model):
 
 def _held_optimizers(model):
     """(attribute, optimizer) of each optimizer the model holds as an attribute,
-    as Keras writes its state (under that name), once each."""
+    as Keras writes its state: under the first of its names in the order Keras'
+    saving walks them (sorted, private names last: `d_optimizer` before an
+    alias `_dopt`), once each."""
     import keras  # Here: reading metadata needs no framework.
 
     seen: set = set()
-    for name, value in sorted(vars(model).items()):
+    for name, value in sorted(vars(model).items(),
+                              key=lambda item: ("~" + item[0]) if item[0].startswith("_")
+                              else item[0]):
         if isinstance(value, keras.optimizers.Optimizer) and id(value) not in seen:
             seen.add(id(value))
             yield name, value
@@ -210,9 +214,12 @@ def _check_optimizer_state(f, model):
         has = len(value.variables)
         holds = len(f[f"{name}/vars"]) if f"{name}/vars" in f else 0
         if holds != has:
+            why = ("none under that name: an attribute renamed?" if holds == 0 else
+                   "a learning-rate schedule in place of a constant rate or the reverse, "
+                   "use_ema turned on or off, another optimizer, or other weights")
             raise InvalidCheckpoint(
                 f"it holds {holds} state variables of optimizer {name!r}, and this model's "
-                f"{type(value).__name__} has {has} (another optimizer, or other weights)")
+                f"{type(value).__name__} has {has} ({why})")
         if name in written and written[name] != built[name]:
             raise InvalidCheckpoint(
                 f"its optimizer {name!r} updated other weights than this model's does (a "
