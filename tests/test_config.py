@@ -1,6 +1,7 @@
 """One source for settings and errors: flags from TrainConfig, one error base, one exit table."""
 
 import dataclasses
+import importlib.util
 import inspect
 import os
 import subprocess
@@ -75,6 +76,25 @@ def test_one_backend_registry_and_message(monkeypatch):
                        match="^KERAS_BACKEND=numpy is not supported; set it to one of: "
                              "tensorflow, jax, torch$"):
         startup.check_backend("numpy")
+
+
+def test_a_backend_that_is_not_installed_is_one_line_before_keras_loads(monkeypatch, tmp_path):
+    # The README's kdist-evaluate line, KERAS_BACKEND unset, in a venv of kdist[jax]
+    # alone: Keras' default, tensorflow, failed to import in a 70-line traceback.
+    monkeypatch.delenv("KERAS_BACKEND", raising=False)
+    monkeypatch.setenv("KERAS_HOME", str(tmp_path))
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "tensorflow" else found(name, *rest))
+    with pytest.raises(errors.UsageError, match=(
+            r"^KERAS_BACKEND is unset, so Keras loads its default, tensorflow, which is not "
+            r"installed: install 'kdist\[tensorflow\]', or set KERAS_BACKEND to the backend")):
+        startup.check_backend(startup.selected_backend())
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    with pytest.raises(errors.UsageError, match="^KERAS_BACKEND=tensorflow, which is not "):
+        startup.check_backend(startup.selected_backend())
+    monkeypatch.setenv("KERAS_BACKEND", "jax")
+    assert startup.check_backend(startup.selected_backend()) == "jax"
 
 
 ERRORS = [errors.UsageError, errors.DataError, errors.CheckpointError,

@@ -55,12 +55,19 @@ def selected_backend():
 
 
 def check_backend(backend):
-    """Returns `backend` if kdist supports it; else raises UsageError naming where it was set."""
+    """Returns `backend` if kdist supports it and it is installed; else raises
+    UsageError naming where it was set (before Keras fails to import it)."""
+    path = os.path.join(keras_home(), "keras.json")
+    where = ("KERAS_BACKEND" if os.environ.get("KERAS_BACKEND") else
+             f'"backend" in {path}' if os.path.exists(path) else None)
     if backend not in BACKENDS:
-        where = ("KERAS_BACKEND" if os.environ.get("KERAS_BACKEND")
-                 else f'"backend" in {os.path.join(keras_home(), "keras.json")}')
         raise UsageError(f"{where}={backend} is not supported; "
                          f"set it to one of: {', '.join(BACKENDS)}")
+    if importlib.util.find_spec(backend) is None:
+        chosen = (f"{where}={backend}" if where else
+                  f"KERAS_BACKEND is unset, so Keras loads its default, {backend}")
+        raise UsageError(f"{chosen}, which is not installed: install 'kdist[{backend}]', "
+                         "or set KERAS_BACKEND to the backend you installed")
     return backend
 
 
