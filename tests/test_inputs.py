@@ -460,6 +460,8 @@ def changing_shape():
     (lambda: iter([(TRAIN[0][:20], TRAIN[1][:20])]), DataError,
      "the train data holds 20 examples, fewer than one global batch of 32"),
     (Batches(TRAIN[0][:0], TRAIN[1][:0], 8), DataError, "the train data is empty"),
+    (lambda epoch: iter(in_batches(*TRAIN, 50)) if not epoch else iter([]), DataError,
+     "^epoch 2 of the train data is empty: every epoch of a stream needs one global batch$"),
     (iter(in_batches(*TRAIN, 50)), UsageError, "is an iterator, which can be read only once"),
     ((TRAIN[0], TRAIN[1][:-1]), DataError, r"train arrays differ in length \(x 400, y 399"),
 ])

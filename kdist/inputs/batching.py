@@ -165,10 +165,10 @@ def worker_rows(global_batch, shard):
     return slice(index * local, (index + 1) * local)
 
 
-def train_slices(global_batches, global_batch, start_step, limit, shard, what):
+def train_slices(global_batches, global_batch, start_step, limit, shard, what, epoch=0):
     """This worker's slices of full global batches numbered from `start_step`, up to
     `limit` (nothing read beyond it); DataError if a pass from the start has not
-    one full global batch."""
+    one full global batch (naming `epoch`, counted from 0, after the first)."""
     step, short, pairs = start_step, 0, iter(global_batches)
     while limit is None or step < limit:
         batch, rows = next(pairs, (None, 0))
@@ -177,16 +177,20 @@ def train_slices(global_batches, global_batch, start_step, limit, shard, what):
             break
         yield tree.take_rows(batch, worker_rows(global_batch, shard))
         step += 1
+    if step == 0 and epoch:
+        raise DataError(f"epoch {epoch + 1} of {what} " + (
+            f"holds {short} examples, fewer than one global batch of {global_batch}"
+            if short else "is empty") + ": every epoch of a stream needs one global batch")
     if step == 0:
         raise DataError(f"{what} is empty" if not short else
                         f"{what} holds {short} examples, fewer than one global batch of "
                         f"{global_batch}; lower --batch-size-per-replica")
 
 
-def local_batches(pairs, local, start_step, limit, what):
+def local_batches(pairs, local, start_step, limit, what, epoch=0):
     """A worker's own share, read by it alone: full batches of `local` rows (its rows
     of each global batch), from `start_step` up to `limit`; DataError if a pass from
-    the start has not one, naming an empty share as such."""
+    the start has not one, naming an empty share as such, and `epoch` after the first."""
     step, read = start_step, False
     for batch, rows in cut(pairs, local):
         read = True
@@ -197,6 +201,10 @@ def local_batches(pairs, local, start_step, limit, what):
     if step == 0 and not read:
         raise DataError(f"{what} gave this worker no examples: its share is empty (sharded "
                         "by file, split the data into at least as many files as workers)")
+    if step == 0 and epoch:
+        raise DataError(f"epoch {epoch + 1} of {what} yielded fewer than {local} examples, "
+                        "this worker's rows of one global batch: every epoch of a stream "
+                        "needs one global batch")
     if step == 0:
         raise DataError(f"{what} yielded fewer than {local} examples, this worker's rows "
                         "of one global batch; lower --batch-size-per-replica")

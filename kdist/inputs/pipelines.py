@@ -99,10 +99,11 @@ class _StreamSource(batching.CheckedSource):
             first = skipped // cast(int, getattr(self, "batch", None)) if skipped else 0
             pairs = batching.drop_rows(self._checked(batches, first), skip - skipped)
             if own:
-                yield from batching.local_batches(pairs, rows, start_step, limit, self.what)
+                yield from batching.local_batches(pairs, rows, start_step, limit, self.what,
+                                                  epoch)
             else:
                 yield from batching.train_slices(batching.cut(pairs, global_batch), global_batch,
-                                               start_step, limit, shard, self.what)
+                                               start_step, limit, shard, self.what, epoch)
 
         return base.Stream(slices(), shared_end=own)
 
