@@ -238,3 +238,36 @@ def test_joining_the_workers_leaves_the_random_state_as_it_was():
                             text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-3:] == ["True", "None", "None"], result.stdout
+
+
+# A fresh TensorFlow process that split its CPU for 2 replicas, then joins 2 workers.
+SPLIT_THEN_JOINING = """
+import sys
+sys.path.insert(0, {repo!r})
+import kdist
+kdist.prepare_environment(replicas=2)
+from kdist import engines
+from kdist.workers import cluster
+try:
+    engines.connect(cluster.ClusterSpec(2, 0, ("127.0.0.1:{port}", "127.0.0.1:{other}"), 60.0,
+                                        source="test"))
+except kdist.UsageError as error:
+    print(error)
+"""
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow",
+                    reason="TensorFlow's workers hold one CPU replica each")
+def test_a_tensorflow_worker_that_split_its_cpu_is_told_to_leave_replicas_out():
+    # It was told "this process ran tensorflow before joining ...; call kdist.connect()
+    # first", which the script did: the split had started TensorFlow's runtime.
+    ports = free_ports(2)
+    script = SPLIT_THEN_JOINING.format(repo=REPO, port=ports[0], other=ports[1])
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith(
+        "--replicas 2: with several workers, each TensorFlow worker uses all its GPUs, or one "
+        "CPU (1 here); leave --replicas out (this process split its CPU before joining: "
+        "kdist.prepare_environment(replicas=N))"), result.stdout

@@ -40,6 +40,11 @@ def connect(spec, replicas=None):
     (`_share_cores`).
     """
     global _connected
+    cpus = tf.config.list_physical_devices("CPU")
+    split = tf.config.get_logical_device_configuration(cpus[0]) if cpus else None
+    if split and len(split) > 1 and not tf.config.list_physical_devices("GPU"):
+        raise UsageError(_ONE_CPU.format(replicas=len(split), local=1) + " (this process split "
+                         "its CPU before joining: kdist.prepare_environment(replicas=N))")
     _share_cores()
     if spec.source != "TF_CONFIG":
         os.environ["TF_CONFIG"] = spec.tf_config()
@@ -50,10 +55,12 @@ def connect(spec, replicas=None):
     strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
     local = len(strategy.extended.worker_devices)
     if replicas is not None and replicas != local:
-        raise UsageError(f"--replicas {replicas}: with several workers, each TensorFlow "
-                         f"worker uses all its GPUs, or one CPU ({local} here); "
-                         "leave --replicas out")
+        raise UsageError(_ONE_CPU.format(replicas=replicas, local=local))
     _connected = (strategy, spec)
+
+
+_ONE_CPU = ("--replicas {replicas}: with several workers, each TensorFlow worker uses all its "
+            "GPUs, or one CPU ({local} here); leave --replicas out")
 
 
 def _share_cores():
