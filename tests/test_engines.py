@@ -6,6 +6,7 @@ lint`) checks every engine's method signatures against it, installed or not.
 
 import logging
 import os
+import socket
 import subprocess
 import sys
 
@@ -271,3 +272,31 @@ def test_a_tensorflow_worker_that_split_its_cpu_is_told_to_leave_replicas_out():
         "--replicas 2: with several workers, each TensorFlow worker uses all its GPUs, or one "
         "CPU (1 here); leave --replicas out (this process split its CPU before joining: "
         "kdist.prepare_environment(replicas=N))"), result.stdout
+
+
+# A fresh process joins 2 workers as worker 0, whose port another program holds.
+JOINING_ON_A_TAKEN_PORT = """
+import sys
+sys.path.insert(0, {repo!r})
+import kdist
+try:
+    kdist.connect(peers="127.0.0.1:{port},127.0.0.1:{other}", worker_index=0, timeout=20)
+except kdist.UsageError as error:
+    print(error, flush=True)  # JAX may crash at exit, its server half made.
+"""
+
+
+def test_a_worker_whose_port_is_taken_is_one_line():
+    # Worker 0 died in the framework's own traceback (JAX "Failed to start RPC server",
+    # torch EADDRINUSE, TensorFlow "Could not start gRPC server").
+    ports = free_ports(2)
+    script = JOINING_ON_A_TAKEN_PORT.format(repo=REPO, port=ports[0], other=ports[1])
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    with socket.create_server(("127.0.0.1", ports[0])):
+        result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                                text=True, timeout=120)
+    assert result.stdout.strip(), (result.returncode, result.stderr[-3000:])
+    line = result.stdout.strip().splitlines()[-1]
+    assert f": worker 0 cannot listen at 127.0.0.1:{ports[0]} (" in line, line
+    assert line.endswith("): another program holds that port, or another worker was given "
+                         "the same index"), line

@@ -1,6 +1,9 @@
 """Joining the other workers of a run: `kdist.connect`, and the join of
 `train_and_evaluate` and the commands."""
 
+import os
+import socket
+
 import keras
 
 from kdist import engines, hints
@@ -57,20 +60,61 @@ def connect(*, peers: str | None = None, workers: int | None = None,
 # called before any JAX calls ...".
 _TOO_LATE_ERRORS = ("at program startup", "cannot be modified after initialization",
                     "before any JAX")
+# Where the port this worker serves on is taken: JAX's coordinator, torch's store,
+# TensorFlow's gRPC server.
+_CANNOT_LISTEN_ERRORS = ("Failed to start RPC server", "EADDRINUSE",
+                         "Could not start gRPC server")
 
 
 def join(spec: cluster.ClusterSpec, replicas: int | None = None) -> None:
     """Joins the workers of `spec`, bounded by its timeout; nothing alone or joined."""
     if spec.num_workers == 1 or engines.connected():
         return
+    address = _served_address(spec)
+    if address is not None:
+        _check_free(spec, address)
     with cluster.connect_deadline(spec):
         try:
             engines.connect(spec, replicas)
-        except RuntimeError as error:
+        except Exception as error:  # TensorFlow's errors are no RuntimeError.
             if any(late in str(error) for late in _TOO_LATE_ERRORS):
                 raise UsageError(_TOO_LATE.format(framework=keras.backend.backend(),
                                                   error=error)) from None
+            if address is not None and any(taken in str(error)
+                                           for taken in _CANNOT_LISTEN_ERRORS):
+                raise _cannot_listen(spec, address,
+                                     str(error).strip().splitlines()[0][:200]) from None
             raise
+
+
+def _served_address(spec):
+    """The host:port this worker serves on: every TensorFlow worker its own,
+    JAX's and torch's coordinator (worker 0) the first; else None (under
+    torchrun its agent serves the store, and worker 0 connects to it)."""
+    if keras.backend.backend() == "tensorflow":
+        return spec.addresses[spec.worker_index]
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    return spec.addresses[0] if spec.is_chief else None
+
+
+def _check_free(spec, address):
+    """A `UsageError` where another program holds `address`'s port: the frameworks
+    fail on it in a traceback of their own (JAX's may crash the process)."""
+    port = int(address.rsplit(":", 1)[1])
+    try:
+        if socket.has_dualstack_ipv6():  # As the frameworks listen: every address.
+            socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True).close()
+        else:
+            socket.create_server(("", port)).close()
+    except OSError as error:
+        raise _cannot_listen(spec, address, error.strerror or str(error)) from None
+
+
+def _cannot_listen(spec, address, reason):
+    return UsageError(f"{spec.source}: worker {spec.worker_index} cannot listen at {address} "
+                      f"({reason}): another program holds that port, or another worker was "
+                      "given the same index")
 
 
 def join_from_environment() -> None:
