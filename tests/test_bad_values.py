@@ -130,10 +130,11 @@ def test_labels_are_checked_as_classes_only_for_a_loss_that_reads_class_indices(
         building.check_labels(prepared, model)
 
 
-def test_each_splits_integer_labels_are_checked_whatever_the_others_dtype():
-    """Float labels pass (Keras' sparse losses take them); integer ones are class
-    indices, checked split by split: a float training split does not exempt the
-    test split, nor an integer one refuse float test labels."""
+def test_each_splits_labels_are_checked_whatever_the_others_dtype():
+    """Integer and float labels are class indices (Keras' sparse losses cast floats
+    to integers), checked split by split: a float training split does not exempt
+    the test split, nor an integer one refuse float test labels; a float label out
+    of range failed in TensorFlow's graph, or (JAX) trained on silently."""
     x = np.zeros((6, 3), np.float32)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
     model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
@@ -144,3 +145,6 @@ def test_each_splits_integer_labels_are_checked_whatever_the_others_dtype():
             x, classes.astype(np.float32), x, wrong, "labels")), model)
     building.check_labels(sources.prepare(kdist.Dataset(
         x, classes, x, classes.astype(np.float32), "labels")), model)
+    with pytest.raises(DataError, match=r"labels: train label 3.0 \(example 5\) is not a class"):
+        building.check_labels(sources.prepare(kdist.Dataset(
+            x, wrong.astype(np.float32) * 3 / 7, x, classes, "labels")), model)

@@ -80,9 +80,9 @@ def check_split(source, split, x, y, sample_weight):
 
 
 def check_labels(dataset, num_classes, splits=("train", "test")):
-    """Raises DataError where a split of `splits` has integer labels (class
-    indices) outside 0..num_classes-1, each split on its own; float labels pass,
-    as Keras' sparse losses take them (and as streamed batches are checked).
+    """Raises DataError where a split of `splits` has labels (class indices,
+    integers or the floats Keras' sparse losses cast to them) outside
+    0..num_classes-1, each split on its own (as streamed batches are checked).
 
     For a model with one output of `num_classes` values per example.
     """

@@ -101,10 +101,11 @@ def check_values(batch, where, classes=None):
 
 
 def check_class_labels(labels, classes, what, unit):
-    """Raises DataError for integer `labels` (one array) outside 0..classes-1,
-    naming the first (`what` VALUE (`unit` INDEX)), the model's classes and the
-    count; other labels pass."""
-    if (isinstance(labels, np.ndarray) and labels.dtype.kind in "iu" and labels.size
+    """Raises DataError for integer or float `labels` (one array; Keras' sparse
+    losses cast floats to integers) outside 0..classes-1, naming the first
+    (`what` VALUE (`unit` INDEX)), the model's classes and the count; other
+    labels pass."""
+    if (isinstance(labels, np.ndarray) and labels.dtype.kind in "iuf" and labels.size
             and (labels.min() < 0 or labels.max() >= classes)):
         wrong = np.flatnonzero((labels < 0) | (labels >= classes))
         index = np.unravel_index(wrong[0], labels.shape)[0]
