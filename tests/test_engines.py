@@ -270,8 +270,9 @@ def test_a_tensorflow_worker_that_split_its_cpu_is_told_to_leave_replicas_out():
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith(
         "--replicas 2: with several workers, each TensorFlow worker uses all its GPUs, or one "
-        "CPU (1 here); leave --replicas out (this process split its CPU before joining: "
-        "kdist.prepare_environment(replicas=N))"), result.stdout
+        "CPU (1 here); leave --replicas out: this process split its CPU before joining "
+        "(kdist.prepare_environment(replicas=N)); call kdist.connect() first thing in the "
+        "script, without replicas"), result.stdout
 
 
 # A fresh process joins 2 workers as worker 0, whose port another program holds.

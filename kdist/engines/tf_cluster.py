@@ -43,8 +43,9 @@ def connect(spec, replicas=None):
     cpus = tf.config.list_physical_devices("CPU")
     split = tf.config.get_logical_device_configuration(cpus[0]) if cpus else None
     if split and len(split) > 1 and not tf.config.list_physical_devices("GPU"):
-        raise UsageError(_ONE_CPU.format(replicas=len(split), local=1) + " (this process split "
-                         "its CPU before joining: kdist.prepare_environment(replicas=N))")
+        raise UsageError(_ONE_CPU.format(replicas=len(split), local=1) + ": this process split "
+                         "its CPU before joining (kdist.prepare_environment(replicas=N)); call "
+                         "kdist.connect() first thing in the script, without replicas")
     _share_cores()
     if spec.source != "TF_CONFIG":
         os.environ["TF_CONFIG"] = spec.tf_config()
