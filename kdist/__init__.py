@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # What type checkers see; at run time `__getattr__` loads eac
     from kdist.loop.training import train_and_evaluate as train_and_evaluate
     from kdist.models.cnn import create_model as create_model
     from kdist.runtime.startup import prepare_environment as prepare_environment
+    from kdist.step.api import global_batch as global_batch
     from kdist.step.api import grad as grad
     from kdist.step.api import value_and_grad as value_and_grad
     from kdist.workers.interrupt import StopRequest as StopRequest
@@ -61,6 +62,7 @@ _LAZY = {
     # Your own step (`kdist.step.api`); `kdist.random` is a module.
     "value_and_grad": "kdist.step.api",
     "grad": "kdist.step.api",
+    "global_batch": "kdist.step.api",
     # Errors, all `KdistError`s (kdist.errors, which loads no framework).
     "KdistError": "kdist.errors",
     "UsageError": "kdist.errors",

@@ -697,7 +697,7 @@ def test_keras_sums_over_a_kernel_or_inside_an_input_gradient_train_as_on_one_re
     x = rng.normal(size=(64, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
     runs = []
-    for replicas in (1, SEVERAL):
+    for replicas in (1, 2):  # On torch, 2 processes.
         config = kdist.TrainConfig(epochs=2, batch_size_per_replica=16 // replicas,
                                    replicas=replicas, seed=0, progress=False,
                                    checkpoint_dir=str(tmp_path / str(replicas)))
@@ -826,3 +826,59 @@ def test_a_trackers_result_under_another_key_is_merged_as_the_tracker(tmp_path):
     with pytest.raises(kdist.UsageError, match="returns 'note', a str; return scalars"):
         kdist.train_and_evaluate(config, dataset, model_fn=lambda: Tracked(note="hello"),
                                  log=lambda line: None)
+
+
+class WholeBatch(keras.Model):
+    """A step over every example of the global batch (`kdist.global_batch`): each
+    replica's rows against the whole batch's (their log-sum-exp), a term of the
+    whole batch alone, and a MoCo-style queue of every replica's rows with an
+    integer pointer the step moves by the global batch's rows."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = keras.layers.Dense(3)
+        self.encoder.build((None, 4))
+        self.opt = keras.optimizers.SGD(0.5)
+        self.queue = self.add_weight(shape=(12, 3), initializer="zeros", trainable=False,
+                                     name="queue")
+        self.pointer = self.add_weight(shape=(), dtype="int32", initializer="zeros",
+                                       trainable=False, name="pointer")
+
+    def train_step(self, data):
+        x, _ = data
+
+        def loss_fn():
+            z = self.encoder(x)
+            every = kdist.global_batch(z)
+            own = ops.mean(ops.logsumexp(ops.matmul(z, ops.transpose(every)), axis=1))
+            return own + 0.1 * ops.mean(ops.square(every)), every
+
+        (loss, every), grads = kdist.value_and_grad(loss_fn, self.encoder.trainable_variables)
+        self.opt.apply(grads, self.encoder.trainable_variables)
+        self.queue.assign(ops.concatenate([ops.stop_gradient(every), self.queue], 0)[:12])
+        self.pointer.assign((self.pointer + ops.shape(every)[0]) % 12)
+        return {"loss": loss}
+
+
+def test_a_step_over_the_whole_global_batch_trains_as_one_device(tmp_path):
+    """Without a gather, a replica's negatives and queue held its share's rows
+    only (library.md: the mean of the replicas' rows, its pointer moved by a
+    share); with `kdist.global_batch`, 2 replicas end where 1 does."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    dataset = kdist.Dataset(x, np.zeros(64, np.float32), x[:16], np.zeros(16, np.float32),
+                            "toy")
+    ends = []
+    for replicas in (1, 2):  # On torch, 2 processes.
+        config = kdist.TrainConfig(epochs=2, batch_size_per_replica=16 // replicas,
+                                   replicas=replicas, seed=0, progress=False,
+                                   checkpoint_dir=str(tmp_path / str(replicas)))
+        result = kdist.train_and_evaluate(config, dataset, model_fn=WholeBatch,
+                                          log=lambda line: None)
+        model = result.model
+        ends.append((result.history["loss"], [np.array(w) for w in model.get_weights()]))
+    (loss_1, weights_1), (loss_n, weights_n) = ends
+    np.testing.assert_allclose(loss_n, loss_1, rtol=1e-5)
+    assert [w.shape for w in weights_n] == [w.shape for w in weights_1]
+    for one, several in zip(weights_1, weights_n):
+        np.testing.assert_allclose(several, one, rtol=1e-5, atol=1e-6)
+    assert int(result.model.pointer.numpy()) == (8 * 16) % 12

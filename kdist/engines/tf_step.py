@@ -138,14 +138,10 @@ class Primitives(step_context.Primitives):
         return context.all_reduce(tf.distribute.ReduceOp.SUM, list(values))
 
     def gather_shares(self, tensors):
+        # TensorFlow's all-gather is differentiable: its gradient all-reduces. One
+        # call per tensor: the gradient of one call packs all its tensors' into one.
         context = tf.distribute.get_replica_context()
-        index = context.replica_id_in_sync_group
-        out = []
-        for tensor in tensors:
-            rows = tf.shape(tensor)[0]
-            whole = context.all_gather(tf.stop_gradient(tensor), axis=0)
-            out.append(tf.concat([whole[:index * rows], tensor, whole[(index + 1) * rows:]], 0))
-        return out
+        return [context.all_gather(tensor, axis=0) for tensor in tensors]
 
     def apply(self, context, optimizer, apply, grads, variables):
         with context.optimizer_applying():

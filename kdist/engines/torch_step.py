@@ -63,17 +63,39 @@ class Primitives(step_context.Primitives):
         rank, count = self.engine.shard
         out = []
         for tensor in tensors:
-            sent = tensor.detach().to(torch.uint8 if tensor.dtype == torch.bool else tensor.dtype)
-            parts = [torch.empty_like(sent) for _ in range(count)]
-            dist.all_gather(parts, sent.contiguous())
-            parts[rank] = tensor.to(sent.dtype)
-            whole = torch.cat(parts)
+            if tensor.requires_grad:
+                out.append(_AllGather.apply(tensor, rank, count))
+                continue
+            sent = tensor.to(torch.uint8) if tensor.dtype == torch.bool else tensor
+            whole = _all_gather(sent, count)
             out.append(whole.bool() if tensor.dtype == torch.bool else whole)
         return out
 
     def apply(self, context, optimizer, apply, grads, variables):
         with context.optimizer_applying(), torch.no_grad():
             return apply(grads, variables)
+
+
+def _all_gather(tensor, count):
+    parts = [torch.empty_like(tensor) for _ in range(count)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+class _AllGather(torch.autograd.Function):
+    """Every process's rows of a tensor, in rank order; the gradient of a process's
+    own rows sums every process's gradient for them (one all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, tensor, rank, count):
+        ctx.own = slice(rank * tensor.shape[0], (rank + 1) * tensor.shape[0])
+        return _all_gather(tensor.detach(), count)
+
+    @staticmethod
+    def backward(ctx, grad):
+        summed = grad.contiguous().clone()
+        dist.all_reduce(summed)
+        return summed[ctx.own], None, None
 
 
 def seed_offsets(variables, rank):

@@ -89,6 +89,34 @@ def grad(fn: Any, wrt: Any) -> Any:
     return value_and_grad(fn, wrt)[1]
 
 
+def global_batch(x: Any) -> Any:
+    """`x` over the whole global batch: every replica's rows, in the global batch's
+    order, on every replica, as one device's step would see them.
+
+    For what needs every example of the step: a contrastive loss whose negatives
+    are the whole batch's, a queue of every replica's keys (MoCo). On JAX, whose
+    one program sees the global batch, it is `x`. Differentiable: a replica's
+    own rows get the sum of every replica's gradient for them, so the gradients
+    `value_and_grad` averages are one device's (the module's scaling rule),
+    whether every replica computes a loss of the whole batch or each the loss of
+    its own rows against the whole batch's.
+
+    Args:
+        x: a tensor, or a list, tuple or dict of them, each with a row per
+            example of the batch the step sees.
+    """
+    context = step_context.current()
+    leaves = keras.tree.flatten(x)
+    for leaf in leaves:
+        rows = leaf.shape[0] if len(leaf.shape) else None
+        if rows is not None and context.rows is not None and rows != context.rows:
+            raise UsageError(f"kdist.global_batch takes a row per example of the step's batch "
+                             f"({context.rows} rows); got a tensor of shape {tuple(leaf.shape)}")
+    if context.dry or context.primitives.replicas_sharing() == 1:
+        return x
+    return keras.tree.pack_sequence_as(x, context.primitives.gather_shares(leaves))
+
+
 def _names(variables):
     names = [v.path for v in variables[:3]]
     return ", ".join(names) + (f" and {len(variables) - 3} more" if len(variables) > 3 else "")

@@ -65,8 +65,9 @@ class Primitives(Protocol):
 
     def gather_shares(self, tensors: list, /) -> list:
         """Each of `tensors` (a row per example of this replica's share) over the
-        global batch: every replica's rows in replica order, the others' as
-        constants, this replica's as they are (their gradient flows)."""
+        global batch: every replica's rows in replica order, on every replica.
+        Differentiable as an all-gather is: the gradient of a replica's own rows
+        is the sum of every replica's gradient for them."""
 
     def apply(self, context: "StepContext", optimizer: Any, apply: Any, grads: list,
               variables: list | None, /) -> Any:

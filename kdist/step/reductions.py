@@ -22,10 +22,10 @@ A loss whose values are not one per example of a batch its predictions
 have a row per example of (Dice or Tversky over `axis=None`,
 `CosineSimilarity(axis=0)`, a function returning one number for its batch) is
 a statistic of the whole batch, which no sum of shares gives. There each
-replica computes it on the global batch, gathered (`Primitives.gather_shares`:
-the other replicas' rows as constants, its own as they are), as R times its
-gradient through its own rows: the average over replicas is then one device's
-gradient, and the value one device's.
+replica computes it on the global batch, gathered (`Primitives.gather_shares`,
+an all-gather whose gradient gives a replica's own rows the sum of every
+replica's gradient for them, R times one's): the average over replicas is then
+one device's gradient, and the value one device's.
 
 Where one program sees the whole batch (JAX, or a batch every replica
 evaluates whole), and inside a `value_and_grad` with respect to tensors only
@@ -139,8 +139,9 @@ def _of_the_batch(values, y_pred, rows):
 
 
 def _over_gathered_batch(context, loss, y_true, y_pred, sample_weight):
-    """`loss` of the global batch, gathered from the replicas' shares, with R times
-    its gradient through this replica's rows (the others' are constants)."""
+    """`loss` of the global batch, gathered from the replicas' shares: every replica
+    computes it, and the gather's gradient gives this replica's rows the sum of
+    the replicas' gradients for them, R times one's."""
     rows, mask = context.rows, masking.get_keras_mask(y_pred)
     extras = [t for t in (sample_weight, mask) if _has_rows(t, rows)]
     trues, preds = tree.flatten(y_true), tree.flatten(y_pred)
@@ -152,12 +153,9 @@ def _over_gathered_batch(context, loss, y_true, y_pred, sample_weight):
         masking.set_keras_mask(y_pred, gathered.get(id(mask), mask))
     context.own_rows += 1  # Keras' reductions, unchanged, over the gathered batch.
     try:
-        value = _KERAS_CALL(loss, y_true, y_pred, gathered.get(id(sample_weight), sample_weight))
+        return _KERAS_CALL(loss, y_true, y_pred, gathered.get(id(sample_weight), sample_weight))
     finally:
         context.own_rows -= 1
-    fixed = ops.stop_gradient(value)
-    replicas = ops.cast(context.primitives.replicas_sharing(), value.dtype)
-    return fixed + replicas * (value - fixed)
 
 
 def _has_rows(value, rows):
