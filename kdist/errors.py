@@ -81,6 +81,10 @@ class WorkerLost(TrainingError):
     or its machine went away. The message names the framework's cause."""
 
 
+LOST_WORKERS = "lost the other workers mid-run"
+"""How a `WorkerLost` message begins (`kdist-launch` looks for it in the output)."""
+
+
 class Interrupted(KdistError, RuntimeError):
     """Training stopped on a signal, after writing a checkpoint (or before its
     first step, where there was nothing to write).

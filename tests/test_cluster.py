@@ -2,6 +2,7 @@
 variables; the launcher's flags and commands."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -200,3 +201,18 @@ def test_a_bad_local_process_count_is_one_usage_error(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(UsageError, match=f"^{name}={value!r}: .*positive integer"):
         processes.local_processes()
+
+
+def test_the_launcher_names_the_worker_that_failed_not_the_one_that_lost_it(capsys):
+    # torch, 3 workers: worker 1's step raised; worker 0, its collective broken, exited
+    # first, and kdist-launch reported worker 0's "lost the other workers" as the error.
+    lost = ("print('kdist.errors.WorkerLost: lost the other workers mid-run (Connection closed "
+            "by peer)'); raise SystemExit(1)")
+    raised = "import time; time.sleep(1); raise ValueError('the step raised on its share')"
+    workers = [processes.Worker(i, [sys.executable, "-c", code], dict(os.environ))
+               for i, code in enumerate([lost, raised])]
+    assert processes.supervise(workers, timeout=60, grace=5) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kdist-launch: error: worker 1 exited with status 1; stopped the "
+                          "others. Its last lines:"), err
+    assert "ValueError: the step raised on its share" in err, err

@@ -20,7 +20,7 @@ import numpy as np
 from kdist import checks, engines, hints
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.engines import joining
-from kdist.errors import Interrupted, TrainingError, WorkerLost  # noqa: F401 (importable here)
+from kdist.errors import LOST_WORKERS, Interrupted, TrainingError, WorkerLost  # noqa: F401 (importable here)
 from kdist.inputs import arrays, base, sources
 from kdist.loop import building, hooks, replicas, reporting, tensorboard
 from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
@@ -202,7 +202,7 @@ def _workers_lost(config):
         if cause is None:
             raise
         raise WorkerLost(
-            f"lost the other workers mid-run ({cause}): another worker stopped or its "
+            f"{LOST_WORKERS} ({cause}): another worker stopped or its "
             "machine went away (see its output); the same command on every worker resumes "
             f"from the newest checkpoint in {config.checkpoint_dir}") from error
 

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from kdist.errors import UsageError
+from kdist.errors import LOST_WORKERS, UsageError
 
 # The training command, kdist-train's `kdist.cli.train.main`, run by kdist/__main__.py.
 TRAIN = [sys.executable, "-m", "kdist"]
@@ -184,13 +184,35 @@ def supervise(workers, timeout, grace):
             if code in STOPPED_STATUSES:
                 return stopped(worker, workers, grace)
             if code != 0:
-                return fail(worker, workers, grace, f"exited with status {exit_status(code)}")
+                worker = _cause(worker, running, grace)
+                return fail(worker, workers, grace,
+                            f"exited with status {exit_status(worker.proc.returncode)}")
         if time.monotonic() > deadline:
             return fail(None, workers, grace, f"still running after --timeout {timeout:g} s")
         time.sleep(0.1)
     for worker in workers:
         worker.reader.join(timeout=grace)
     return 0
+
+
+def _cause(first, others, grace):
+    """The failed worker whose error caused the others': `first`, unless it only lost
+    its peers (`kdist.WorkerLost` in its last lines) and another worker fails of
+    its own within `grace` seconds (at most 10): a step that raised on worker 1
+    ends worker 0's collective, which may exit first."""
+    def lost(worker):
+        worker.reader.join(timeout=1)  # Its last lines, read to the end.
+        return any(LOST_WORKERS in line for line in worker.last)
+
+    if not lost(first):
+        return first
+    deadline = time.monotonic() + min(grace, 10)
+    while time.monotonic() < deadline:
+        for other in others:
+            if other.proc.poll() not in (None, 0) and not lost(other):
+                return other
+        time.sleep(0.1)
+    return first
 
 
 def stopped(worker, workers, grace):
