@@ -84,11 +84,14 @@ def config_argument(field):
     return config.flag_name(field), keywords
 
 
-def add_config_flags(parser, names=None):
-    """Adds the flags of `TrainConfig`'s fields `names` (default: every field with a flag)."""
+def add_config_flags(parser, names=None, helps=None):
+    """Adds the flags of `TrainConfig`'s fields `names` (default: every field with a
+    flag); `helps` gives some of them another help text (what they mean there)."""
     for field in config.flag_fields():
         if names is None or field.name in names:
             flag, keywords = config_argument(field)
+            if helps and field.name in helps:
+                keywords["help"] = helps[field.name]
             parser.add_argument(flag, **keywords)
 
 
