@@ -301,3 +301,15 @@ def test_a_worker_whose_port_is_taken_is_one_line():
     assert f": worker 0 cannot listen at 127.0.0.1:{ports[0]} (" in line, line
     assert line.endswith("): another program holds that port, or another worker was given "
                          "the same index"), line
+
+
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="JAX's errors")
+def test_a_gloo_failure_jax_raises_as_a_value_error_is_a_lost_worker():
+    # 3 workers, worker 1's step raising in the building run: the others' all-gather of
+    # an optimizer variable ended in this raw ValueError, not the one WorkerLost line.
+    from kdist.engines import jax as jax_engine
+
+    lost = ValueError("UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/"
+                      "pair.cc:547] Connection closed by peer [127.0.0.1]:18832")
+    assert jax_engine.failed_collective(lost)
+    assert not jax_engine.failed_collective(ValueError("deliberate failure in the step"))

@@ -42,9 +42,13 @@ def connected():
 def failed_collective(error):
     """Whether `error` is a collective across the processes that failed: the
     runtime error of a gloo collective or of the distributed service's
-    heartbeats (JAX gives both one exception class; its message names them)."""
-    return isinstance(error, jax.errors.JaxRuntimeError) and any(
-        word in str(error) for word in ("Gloo", "gloo", "heartbeat", "UNAVAILABLE"))
+    heartbeats (JAX gives both one exception class; its message names them),
+    or a gloo collective's failure JAX raises as a `ValueError` (the all-gather
+    of a variable's value while a model or optimizer is built)."""
+    text = str(error)
+    return ((isinstance(error, jax.errors.JaxRuntimeError) and any(
+        word in text for word in ("Gloo", "gloo", "heartbeat", "UNAVAILABLE")))
+        or (isinstance(error, ValueError) and "Gloo" in text and "failed" in text))
 
 
 def _replica_devices(replicas):
