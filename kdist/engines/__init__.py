@@ -61,6 +61,12 @@ _CAUSE = re.compile(r"connection (reset|closed|refused)|socket|heartbeat|timed? 
                     re.IGNORECASE)
 
 
+def served_address(spec):
+    """The host:port this worker of `spec` serves on while it joins, or None (the
+    engine module's `served_address`): `kdist.engines.joining` checks it is free."""
+    return _backend_module().served_address(spec)
+
+
 def connect(spec, replicas=None):
     """Joins the workers of `spec` (a `kdist.workers.cluster.ClusterSpec`) on the active backend.
 

@@ -34,6 +34,11 @@ def connect(spec, replicas=None):
                                       spec.worker_index)
 
 
+def served_address(spec):
+    """Worker 0 serves JAX's coordination service on the first address."""
+    return spec.addresses[0] if spec.is_chief else None
+
+
 def connected():
     """Whether JAX's distributed runtime has started in this process."""
     return jax_distributed.global_state.client is not None  # As jax.distributed.is_initialized.

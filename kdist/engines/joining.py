@@ -1,7 +1,6 @@
 """Joining the other workers of a run: `kdist.connect`, and the join of
 `train_and_evaluate` and the commands."""
 
-import os
 import socket
 
 import keras
@@ -70,7 +69,7 @@ def join(spec: cluster.ClusterSpec, replicas: int | None = None) -> None:
     """Joins the workers of `spec`, bounded by its timeout; nothing alone or joined."""
     if spec.num_workers == 1 or engines.connected():
         return
-    address = _served_address(spec)
+    address = engines.served_address(spec)
     if address is not None:
         _check_free(spec, address)
     with cluster.connect_deadline(spec):
@@ -85,17 +84,6 @@ def join(spec: cluster.ClusterSpec, replicas: int | None = None) -> None:
                 raise _cannot_listen(spec, address,
                                      str(error).strip().splitlines()[0][:200]) from None
             raise
-
-
-def _served_address(spec):
-    """The host:port this worker serves on: every TensorFlow worker its own,
-    JAX's and torch's coordinator (worker 0) the first; else None (under
-    torchrun its agent serves the store, and worker 0 connects to it)."""
-    if keras.backend.backend() == "tensorflow":
-        return spec.addresses[spec.worker_index]
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return None
-    return spec.addresses[0] if spec.is_chief else None
 
 
 def _check_free(spec, address):

@@ -30,6 +30,11 @@ def replica_devices(replicas):
 _connected = None  # (MultiWorkerMirroredStrategy, ClusterSpec) once connect() ran.
 
 
+def served_address(spec):
+    """Every TensorFlow worker serves gRPC on its own address."""
+    return spec.addresses[spec.worker_index]
+
+
 def connect(spec, replicas=None):
     """Creates the MultiWorkerMirroredStrategy of `spec`; blocks until every worker joins.
 

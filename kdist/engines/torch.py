@@ -100,6 +100,14 @@ def _share_cores():
     torch.set_num_threads(processes.cores_per_process())
 
 
+def served_address(spec):
+    """Worker 0 serves the TCP store on the first address; under torchrun its agent
+    serves it, and worker 0 connects to it like the others."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    return spec.addresses[0] if spec.is_chief else None
+
+
 def connected():
     """Whether this process is one replica of a process group."""
     return dist.is_available() and dist.is_initialized()
