@@ -882,3 +882,24 @@ def test_a_step_over_the_whole_global_batch_trains_as_one_device(tmp_path):
     for one, several in zip(weights_1, weights_n):
         np.testing.assert_allclose(several, one, rtol=1e-5, atol=1e-6)
     assert int(result.model.pointer.numpy()) == (8 * 16) % 12
+
+
+class GatherWrongRows(WholeBatch):
+    """`kdist.global_batch` of a tensor that has no row per example of the batch."""
+
+    def train_step(self, data):
+        kdist.global_batch(self.encoder.kernel.value)
+        return super().train_step(data)
+
+
+def test_global_batch_refuses_what_has_no_row_per_example_and_works_only_in_a_step(tmp_path):
+    x = np.zeros((64, 4), np.float32)
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=1,
+                               checkpoint_dir=str(tmp_path), progress=False)
+    with pytest.raises(kdist.UsageError, match=r"^kdist.global_batch takes a row per example "
+                       r"of the step's batch \(2 rows\); got a tensor of shape \(4, 3\)"):
+        kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, 0], x, x[:, 0], "toy"),
+                                 model_fn=GatherWrongRows, log=lambda line: None)
+    assert not os.listdir(tmp_path)  # Refused by the building run: nothing written.
+    with pytest.raises(kdist.UsageError):
+        kdist.global_batch(x)
