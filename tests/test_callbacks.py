@@ -231,6 +231,7 @@ def test_reduce_lr_on_plateau_halves_the_learning_rate_as_in_fit_and_tensorboard
     assert all(v > 0 for _, v in train["batch_samples_per_sec"])
     [config] = train["config"]
     assert "| tensorboard |" in config and "Replicas: 2" in config
+    assert "| learning_rate | `0.5` |" in config  # The model's compiled rate.
 
 
 def test_terminate_on_nan_where_fit_stops_kdist_raises_keeping_the_checkpoints(tmp_path):

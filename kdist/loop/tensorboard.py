@@ -111,7 +111,11 @@ class RunToTensorBoard(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self.writer = EventWriter(self.folder)
-        self.writer.text("config", config_markdown(self.config, self.engine_line), self.step)
+        settings = dict(self.config)
+        if settings.get("learning_rate") is None:  # The model's own optimizers set it:
+            del settings["learning_rate"]  # their rates at the run's start.
+            settings.update(learning_rates(self.optimizers))
+        self.writer.text("config", config_markdown(settings, self.engine_line), self.step)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self.epoch_start = time.perf_counter()
