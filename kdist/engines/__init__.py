@@ -57,6 +57,14 @@ def lost_peer(error: BaseException) -> str | None:
     return f"{type(error).__name__}: {line[:160]}"
 
 
+def after_failure() -> None:
+    """Called where this worker's run failed (any error but a coordinated stop):
+    the engine module's `after_failure`, where it has one, bounds how long the
+    process may then wait for the others at its exit (JAX's)."""
+    if connected():
+        getattr(_backend_module(), "after_failure", lambda: None)()
+
+
 _CAUSE = re.compile(r"connection (reset|closed|refused)|socket|heartbeat|timed? ?out|peer",
                     re.IGNORECASE)
 

@@ -3,7 +3,11 @@
 After `connect` the mesh spans every process's devices (JAX multi-process).
 """
 
+import atexit
 import contextlib
+import os
+import sys
+import threading
 from typing import Any
 
 import jax
@@ -54,6 +58,37 @@ def failed_collective(error):
     return ((isinstance(error, jax.errors.JaxRuntimeError) and any(
         word in text for word in ("Gloo", "gloo", "heartbeat", "UNAVAILABLE")))
         or (isinstance(error, ValueError) and "Gloo" in text and "failed" in text))
+
+
+# Seconds JAX's shutdown may take at the exit of a worker whose run failed (`after_failure`).
+EXIT_GRACE_S = 10
+
+
+def after_failure():
+    """Bounds the exit of this worker, whose run failed.
+
+    At exit JAX's distributed shutdown waits at a barrier for every worker
+    (300 s at most), and a worker still waiting in a collective for this one
+    (the all-gather of a variable while its model is built, say) never reaches
+    it, so both wait. An exit hook, run before JAX's, gives the shutdown
+    `EXIT_GRACE_S` seconds, then ends the process with status 1: its
+    connections close, the other workers' collectives fail at once
+    (`WorkerLost`), and `kdist-launch` sees a worker exit.
+    """
+    atexit.unregister(_end_after_grace)  # One hook, however many runs failed.
+    atexit.register(_end_after_grace)
+
+
+def _end_after_grace():
+    def end():  # Quietly: the run's error is already the last line.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
+
+    timer = threading.Timer(EXIT_GRACE_S, end)
+    timer.daemon = True  # A shutdown that ends in time ends the process as usual.
+    timer.start()
 
 
 def _replica_devices(replicas):

@@ -194,10 +194,14 @@ def _train(run, log, stop, callbacks):
 @contextlib.contextmanager
 def _workers_lost(config):
     """Turns a collective with the other workers that failed (`engines.lost_peer`)
-    into one `WorkerLost` line."""
+    into one `WorkerLost` line; any failure but a coordinated stop bounds this
+    worker's wait for the others at its exit (`engines.after_failure`)."""
     try:
         yield
-    except Exception as error:
+    except Interrupted:
+        raise
+    except BaseException as error:
+        engines.after_failure()
         cause = engines.lost_peer(error)
         if cause is None:
             raise
