@@ -765,15 +765,16 @@ def test_an_own_train_step_of_a_compiled_model_is_evaluated_as_fit_validates_it(
 class Tracked(keras.Model):
     """The Keras guides' VAE way: a `Mean` tracker's result returned under
     another key ("loss" for the tracker `name`), beside a nested dict that
-    repeats the key (`fit` keeps the top-level one); `note` adds a log."""
+    repeats the key (`fit` keeps the top-level one); `note` adds a log. An `idle`
+    train step leaves the tracker alone and returns the loss under its name."""
 
-    def __init__(self, name="total_loss", nested=True, note=None):
+    def __init__(self, name="total_loss", nested=True, note=None, idle=False):
         super().__init__()
         self.dense = keras.layers.Dense(1)
         self.dense.build((None, 4))
         self.opt = keras.optimizers.SGD(0.1)
         self.tracker = keras.metrics.Mean(name=name)
-        self.nested, self.note = nested, note
+        self.nested, self.note, self.idle = nested, note, idle
 
     @property
     def metrics(self):
@@ -787,6 +788,8 @@ class Tracked(keras.Model):
         loss, grads = kdist.value_and_grad(lambda: self.loss_of(x, y),
                                            self.dense.trainable_variables)
         self.opt.apply(grads, self.dense.trainable_variables)
+        if self.idle:
+            return {"loss": loss, "twice": 2 * loss}
         self.tracker.update_state(loss)
         logs = {"loss": self.tracker.result()}
         if self.nested:
@@ -803,7 +806,9 @@ def test_a_trackers_result_under_another_key_is_merged_as_the_tracker(tmp_path):
     batches of 16 end in a batch of 8, which kdist weighed by its rows where the
     key was not the tracker's name (1.2090 against `evaluate`'s 1.2334 for the
     Keras guide's VAE); a nested "loss" won over the top-level one `fit` keeps
-    (2x the loss); a string log failed in the backend."""
+    (2x the loss); a string log failed in the backend; a loss returned under the
+    name of a tracker the train step leaves alone read the tracker (0.0, where
+    `fit` shows the loss)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(104, 4)).astype(np.float32)
     y = (x @ np.arange(1.0, 5.0, dtype=np.float32)).astype(np.float32)
@@ -822,6 +827,11 @@ def test_a_trackers_result_under_another_key_is_merged_as_the_tracker(tmp_path):
     assert histories[0]["val_loss"][-1] == pytest.approx(np.mean(by_batch), rel=1e-5)
     assert abs(np.mean(by_batch) - np.mean(np.square(x[64:] @ kernel[:, 0] + bias[0]
                                                      - y[64:]))) > 1e-3  # Not per example.
+    config = dataclasses.replace(config, checkpoint_dir=str(tmp_path / "idle"))
+    idle = kdist.train_and_evaluate(config, dataset, log=lambda line: None,
+                                    model_fn=lambda: Tracked(name="loss", idle=True)).history
+    assert idle["loss"][0] > 1 and idle["twice"] == pytest.approx(
+        [2 * loss for loss in idle["loss"]], rel=1e-6)  # The steps' mean loss.
     config = dataclasses.replace(config, checkpoint_dir=str(tmp_path / "note"))
     with pytest.raises(kdist.UsageError, match="returns 'note', a str; return scalars"):
         kdist.train_and_evaluate(config, dataset, model_fn=lambda: Tracked(note="hello"),

@@ -157,11 +157,14 @@ class Program:
                     "keras, keras.ops and kdist's primitives only, so that it runs on every "
                     "backend")
             self.names[phase] = list(logs)
-            self.results_as[phase] = {key: name for key, name in returned_as(logs).items()
-                                      if key not in by_name}
+            # A key is a metric's where its value is that metric's `result()`; where
+            # the keys are the metrics' names exactly, each is its metric (`fit` then
+            # reports `get_metrics_result()`, whatever the step returned).
+            self.results_as[phase] = ({key: key for key in logs} if set(logs) == set(by_name)
+                                      else returned_as(logs))
             self.draws[phase] = context.recorded_draws
             for name, value in logs.items():
-                if name not in by_name and name not in self.results_as[phase]:
+                if name not in self.results_as[phase]:
                     if value is None or len(ops.shape(value)) != 0:
                         raise UsageError(
                             f"the {phase}_step returns {name!r} of shape "
@@ -261,7 +264,7 @@ class Program:
                           else {metric.name: value})
                 merged.update({k: float(np.asarray(keras.ops.convert_to_numpy(v)))
                                for k, v in values.items()})
-        result_of = {**self.results_as[phase], **{name: name for name in merged}}
+        result_of = self.results_as[phase]
         return {name: merged[result_of[name]] if name in result_of else
                 float(totals[f"{name}_sum"]) / count for name in self.names[phase]}
 
