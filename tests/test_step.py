@@ -913,3 +913,51 @@ def test_global_batch_refuses_what_has_no_row_per_example_and_works_only_in_a_st
     assert not os.listdir(tmp_path)  # Refused by the building run: nothing written.
     with pytest.raises(kdist.UsageError):
         kdist.global_batch(x)
+
+
+class LossAfterUpdate(keras.Model):
+    """Logs a Keras loss object's value after the optimizer's `apply`, outside
+    `kdist.value_and_grad`, with sample weights and without."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(1)
+        self.dense.build((None, 4))
+        self.opt = keras.optimizers.SGD(0.1)
+        self.bce = keras.losses.BinaryCrossentropy(from_logits=True)
+
+    def train_step(self, data):
+        x, y, weights = data
+        variables = self.dense.trainable_variables
+        _, grads = kdist.value_and_grad(lambda: self.bce(y[:, None], self.dense(x)), variables)
+        self.opt.apply(grads, variables)
+        return {"after": self.bce(y[:, None], self.dense(x)),
+                "weighted": self.bce(y[:, None], self.dense(x), sample_weight=weights)}
+
+
+@pytest.mark.skipif(keras.backend.backend() == "torch", reason="torch's replicas are processes")
+def test_a_loss_logged_after_the_update_reads_alike_on_every_replica_thread(tmp_path):
+    """TensorFlow runs each replica's step on its own thread: a replica that left
+    the step first put Keras' reductions back while the other still traced its
+    last lines (0.5969 logged where 1 replica logs 0.8064), and the other then put
+    kdist's back for good (a later `fit` under MirroredStrategy trained 2x)."""
+    from keras.src.losses import loss as loss_module
+
+    keras_functions = [getattr(loss_module, name) for name in (
+        "reduce_values", "scale_loss_for_distribution")] + [loss_module.Loss.__call__]
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(64, 4)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.float32)
+    weights = rng.uniform(0.2, 2.0, 64).astype(np.float32)
+    histories = []
+    for replicas in (1, 2):
+        config = kdist.TrainConfig(epochs=1, batch_size_per_replica=32 // replicas,
+                                   replicas=replicas, seed=0, progress=False,
+                                   checkpoint_dir=str(tmp_path / str(replicas)))
+        histories.append(kdist.train_and_evaluate(
+            config, kdist.Dataset(x, y, x[:8], y[:8], "toy", train_sample_weight=weights),
+            model_fn=LossAfterUpdate, log=lambda line: None).history)
+        assert keras_functions == [getattr(loss_module, name) for name in (
+            "reduce_values", "scale_loss_for_distribution")] + [loss_module.Loss.__call__]
+    for key in ("after", "weighted"):
+        assert histories[1][key] == pytest.approx(histories[0][key], rel=1e-5), key

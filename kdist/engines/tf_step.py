@@ -9,6 +9,7 @@ import tensorflow as tf
 from keras.src.losses import loss as loss_module  # Its replica scaling (see below).
 
 from kdist.engines import contract
+from kdist.runtime import patches
 from kdist.step import context as step_context
 from kdist.step.context import current_scope, loss_of, substituted
 
@@ -60,7 +61,6 @@ def assign_updates(context, variables, changed, offsets):
             variable.assign(new)
 
 
-@contextlib.contextmanager
 def keras_losses_unscaled():
     """Keras' losses as on one device while a replica's step is traced.
 
@@ -69,20 +69,18 @@ def keras_losses_unscaled():
     its own train step, which sums gradients over replicas. kdist's rule is
     the same on every backend: a step's losses are its batch's, and
     `kdist.value_and_grad` averages the gradients. So the division is
-    turned off here (and its inverse, which Keras' loss trackers apply).
+    turned off here (and its inverse, which Keras' loss trackers apply), on
+    every replica's thread (`kdist.runtime.patches`).
     """
-    saved = (loss_module.scale_loss_for_distribution, loss_module.unscale_loss_for_distribution)
-    loss_module.scale_loss_for_distribution = _unchanged
-    loss_module.unscale_loss_for_distribution = _unchanged
-    try:
-        yield
-    finally:
-        (loss_module.scale_loss_for_distribution,
-         loss_module.unscale_loss_for_distribution) = saved
+    return _UNSCALED.active()
 
 
 def _unchanged(value):
     return value
+
+
+_UNSCALED = patches.Patch([(loss_module, "scale_loss_for_distribution", _unchanged),
+                           (loss_module, "unscale_loss_for_distribution", _unchanged)])
 
 
 class Primitives(step_context.Primitives):

@@ -33,7 +33,6 @@ evaluates whole), and inside a `value_and_grad` with respect to tensors only
 run unchanged.
 """
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +40,7 @@ from keras import ops, tree
 from keras.src.backend.common import masking
 from keras.src.losses import loss as loss_module  # The reductions replaced here.
 
+from kdist.runtime import patches
 from kdist.step import context as step_context
 
 _KERAS: dict[str, Callable[..., Any]] = {
@@ -49,19 +49,10 @@ _KERAS: dict[str, Callable[..., Any]] = {
 _KERAS_CALL = loss_module.Loss.__call__
 
 
-@contextlib.contextmanager
 def over_global_batch():
-    """Keras' losses reduce over the global batch while a step runs."""
-    saved = {name: getattr(loss_module, name) for name in _KERAS}
-    loss_module.apply_mask, loss_module.reduce_values = _apply_mask, _reduce_values
-    loss_module.reduce_weighted_values = _reduce_weighted_values
-    loss_module.Loss.__call__ = _loss_call  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        for name, function in saved.items():
-            setattr(loss_module, name, function)
-        loss_module.Loss.__call__ = _KERAS_CALL  # type: ignore[method-assign]
+    """Keras' losses reduce over the global batch while a step runs (on any thread:
+    `kdist.runtime.patches`)."""
+    return _PATCH.active()
 
 
 def _loss_call(self, y_true, y_pred, sample_weight=None):
@@ -160,3 +151,9 @@ def _over_gathered_batch(context, loss, y_true, y_pred, sample_weight):
 
 def _has_rows(value, rows):
     return value is not None and len(value.shape) > 0 and value.shape[0] == rows
+
+
+_PATCH = patches.Patch([
+    (loss_module, "apply_mask", _apply_mask), (loss_module, "reduce_values", _reduce_values),
+    (loss_module, "reduce_weighted_values", _reduce_weighted_values),
+    (loss_module.Loss, "__call__", _loss_call)])
