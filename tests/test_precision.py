@@ -509,3 +509,28 @@ def test_the_benchmark_table_has_one_row_per_precision():
     assert lines[0].split()[:4] == ["precision", "kdist", "samples/s", "fit"]
     assert lines[1].split()[:4] == ["float32", "1,000", "500", "2.00x"]
     assert lines[2].split()[:4] == ["mixed_bfloat16", "1,500", "1,000", "1.50x"]
+
+
+def test_a_loss_that_overflows_in_float16_skips_its_step_as_fit_does(tmp_path):
+    """A row too large for float16 makes step 3's loss infinite: `fit`'s
+    LossScaleOptimizer skips the step and trains on (the epoch's loss not
+    finite); kdist stopped the run ("non-finite loss ... try a lower learning
+    rate")."""
+    x, y = FEATURES[:48].copy(), CLASSES[:48]
+    order = arrays.epoch_order(len(x), 0, 0)
+    x[order[2 * 8 + 3]] = 1e5  # Step 3 of 6.
+    model_fn = compiled(tiny_mlp, scaled_sgd(2.0 ** 8))
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=8, replicas=1, seed=0,
+                                  checkpoint_dir=str(tmp_path), precision="mixed_float16")
+    result = training.train_and_evaluate(config, arrays.Dataset(x, y, x[:8], y[:8], "toy"),
+                                         model_fn=model_fn, log=lambda line: None)
+    keras.config.set_dtype_policy("mixed_float16")
+    keras.utils.set_random_seed(0)  # As kdist builds its model: the same weights.
+    reference = model_fn()
+    history = reference.fit(x[order], y[order], batch_size=8, shuffle=False, verbose=0)
+    keras.config.set_dtype_policy("float32")
+    assert result.epochs[0]["skipped_steps"] == 1
+    assert not np.isfinite(result.history["loss"][0]) and not np.isfinite(
+        history.history["loss"][0])
+    for ours, theirs in zip(result.model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)

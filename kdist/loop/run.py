@@ -219,8 +219,9 @@ def step_callback(step, epoch, first_step, global_batch, progress, calls):
 
     def on_step(done, stats, totals, chunk_end):
         step_in_epoch = first_step + done
+        skipped = float(stats["skipped"]) > 0  # As `fit`, a LossScaleOptimizer goes on.
         for name in step.scalar_keys:  # The loss, or what a step of your own returns.
-            if not math.isfinite(float(stats[f"{name}_sum"])):
+            if not skipped and not math.isfinite(float(stats[f"{name}_sum"])):
                 raise TrainingError(
                     f"non-finite {name} at epoch {epoch + 1}, step {step_in_epoch}; stopping. "
                     "Checkpoints written before stay valid; try a lower --learning-rate")
