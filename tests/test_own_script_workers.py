@@ -147,6 +147,24 @@ def test_workers_that_would_resume_from_other_steps_all_stop_with_one_line(
     assert os.listdir(folders[0]) == ["ckpt-00000003.weights.h5"]  # Left as it was.
 
 
+@pytest.mark.skipif(BACKEND != "torch", reason="torch's workers are one replica each")
+def test_torch_workers_asked_for_replicas_each_are_refused(tmp_path):
+    """2 workers, each with --replicas 2, trained 2 replicas in all (a global batch
+    of 16 where JAX's 2 workers of 2 take 32), without a word."""
+    port = two_free_ports()
+    processes = [subprocess.Popen(
+        [sys.executable, SCRIPT, *ARGS, "--replicas", "2", "--checkpoint-dir",
+         str(tmp_path / "ckpt")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(environment(tmp_path), **kubernetes(index, port))) for index in (0, 1)]
+    errors = [p.communicate(timeout=240)[1] for p in processes]
+    assert [p.returncode != 0 for p in processes] == [True, True], errors
+    for error in errors:
+        assert error.strip().splitlines()[-1] == (
+            "error: replicas=2: on torch each worker process is one replica; leave replicas "
+            "out when starting the workers yourself (a machine then holds as many replicas "
+            "as the launcher starts processes there)"), error
+
+
 def test_connect_alone_does_nothing_and_says_so():
     alone = kdist.connect()
     assert (alone.num_workers, alone.worker_index, alone.is_chief) == (1, 0, True)

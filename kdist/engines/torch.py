@@ -129,6 +129,12 @@ class Engine(contract.Engine):
     def __init__(self, replicas=None, distributed=True):
         grouped = distributed and connected()
         world = dist.get_world_size() if grouped else 1
+        if grouped and world > 1 and replicas not in (None, 1) and os.environ.get(
+                processes.REPLICA_PROCESSES_VARIABLE) != "1":  # Workers a launcher started.
+            raise UsageError(
+                f"--replicas {replicas}: on torch each worker process is one replica; leave "
+                "--replicas out when starting the workers yourself (a machine then holds "
+                "as many replicas as the launcher starts processes there)")
         # With a group, `replicas` may also count this worker's own: one.
         if replicas not in (None, world) and not (grouped and replicas == 1):
             raise ReplicaPerProcess(
