@@ -53,6 +53,14 @@ def test_plot_script_writes_a_png(tmp_path):
     from kdist.cli.plot import metric_names, read_epochs
 
     assert metric_names(read_epochs(str(metrics))) == ["loss", "accuracy", "auc"]
+    # A run without test data (kdist.Inputs(train=...)): train curves, no error.
+    metrics.write_text("".join(json.dumps({k: v for k, v in r.items() if "test" not in k})
+                               + "\n" for r in records[:3]))
+    result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot.py"),
+                             str(metrics), "-o", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert metric_names(read_epochs(str(metrics))) == ["loss", "accuracy", "auc"]
 
 
 def test_plot_script_rejects_a_file_without_epochs(tmp_path):

@@ -25,9 +25,9 @@ def read_epochs(metrics_file):
 
 
 def metric_names(records):
-    """The metrics that records hold for both splits ("loss" first), by their Keras names."""
-    names = [k[len("train_"):] for k in records[0] if k.startswith("train_")]
-    names = [n for n in names if f"test_{n}" in records[0]]
+    """The metrics that records hold for either split ("loss" first), by their Keras
+    names: a run without test data, or a test step of other names, has train curves."""
+    names = {k.split("_", 1)[1] for k in records[0] if k.startswith(("train_", "test_"))}
     return sorted(names, key=lambda name: (name != "loss", name))
 
 
@@ -46,6 +46,8 @@ def plot_curves(metrics_file, output):
                                   squeeze=False)
     for axes, name in zip(panels[0], names):
         for split, style in (("train", "o-"), ("test", "s--")):
+            if f"{split}_{name}" not in records[0]:
+                continue
             axes.plot(epochs, [r[f"{split}_{name}"] for r in records], style, label=split)
         axes.set_xlabel("Epoch")
         axes.set_ylabel(name)
