@@ -42,6 +42,13 @@ def test_help_documents_every_flag(capsys):
                  "--metrics-file", "--quiet", "--verbose", "--steps-per-execution",
                  "--optimizer", "--peers", "--workers", "--worker-index", "--connect-timeout"):
         assert flag in text
+    assert "learning rate of --optimizer" in text
+    # A script's own model (examples/): the flags are its to read, not the CNN's.
+    with pytest.raises(SystemExit):
+        train_cli.main(["--help"], model_fn=lambda args: None)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "learning rate of --optimizer" not in text and "applies to any" not in text
+    assert text.count("for the script's model, which reads it from args if at all") == 2
 
 
 @pytest.mark.parametrize("args, message", [

@@ -80,10 +80,11 @@ def add_data_flags(parser, checkpoints=True):
 def add_multiworker_flags(parser):
     group = parser.add_argument_group(
         "several workers", "Run this script once per worker, with the same --peers and each "
-        "its own --worker-index (scripts/launch.py does so on one machine). Without these "
-        "flags, TF_CONFIG (TensorFlow) or KERAS_DISTRIBUTION_JOB_ADDRESSES, "
-        "KERAS_DISTRIBUTION_NUM_PROCESSES and KERAS_DISTRIBUTION_PROCESS_ID (JAX), or torchrun's "
-        "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (torch) are read. "
+        "its own --worker-index (kdist-launch does so on one machine). Without these "
+        "flags, KDIST_PEERS and KDIST_WORKER_INDEX, a SLURM job step's variables, TF_CONFIG "
+        "(TensorFlow), KERAS_DISTRIBUTION_JOB_ADDRESSES, KERAS_DISTRIBUTION_NUM_PROCESSES and "
+        "KERAS_DISTRIBUTION_PROCESS_ID (JAX), or torchrun's RANK, WORLD_SIZE, MASTER_ADDR and "
+        "MASTER_PORT (torch) are read (docs/library.md, Multiple machines). "
         "--replicas then counts this worker's devices (on torch a worker is one replica).")
     group.add_argument("--peers", default=None, metavar="HOST:PORT[,HOST:PORT...]",
                        help="every worker's address, in worker order; worker 0 is the chief "

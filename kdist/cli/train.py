@@ -51,6 +51,10 @@ def main(argv=None, model_fn=None, description=None, after=None):
     script's to read from `args`). `after(args)` runs once training has
     ended well. Returns the exit status."""
     parser = (train_parser(description, model_flag=False) if model_fn else train_parser())
+    for action in parser._actions if model_fn else ():  # The script's model reads these.
+        if action.dest in ("optimizer", "learning_rate"):
+            action.help = ("for the script's model, which reads it from args if at all "
+                           "(see the script; unset: the model's own choice)")
 
     def body(args):
         status = _train(args) if model_fn is None else _train(args, model_fn)

@@ -204,7 +204,8 @@ def current():
     """The open `StepContext`; a `UsageError` outside a step that kdist runs."""
     context = _ACTIVE.get()
     if context is None:
-        raise UsageError("kdist.value_and_grad, kdist.grad and kdist.random work inside a "
+        raise UsageError("kdist.value_and_grad, kdist.grad, kdist.random and "
+                         "kdist.global_batch work inside a "
                          "train_step or test_step that kdist runs (train_and_evaluate, "
                          "kdist-train)")
     return context
