@@ -25,7 +25,7 @@ class EpochRecord:
     # Train steps the optimizer skipped (non-finite gradients under dynamic loss scaling).
     skipped_steps: int = 0
     # What callbacks added to the epoch's logs ("learning_rate", say; `kdist.loop.hooks`).
-    extra: dict[str, float] = dataclasses.field(default_factory=dict)
+    extra: dict[str, float | str] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """{"epoch", "train_<name>"..., "test_<name>"..., "seconds", "samples_per_sec",

@@ -183,6 +183,53 @@ def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit
         "iteration": 2 * KdistOrder().steps, "learning_rate": pytest.approx(0.3)}
 
 
+class Reader(keras.callbacks.Callback):
+    """A user's callback that reads the model's metrics and `model.history`, as
+    plotting callbacks do, and changes the logs: a value scaled, text added."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def metrics(self):
+        return {k: float(v) for k, v in self.model.get_metrics_result().items()}
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(("batch_end", self.metrics()))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(("epoch_end", self.metrics(), {
+            k: list(v) for k, v in getattr(self.model.history, "history", {}).items()}))
+        logs["val_loss"] *= 10
+        logs["note"] = f"epoch {epoch}"
+
+
+def test_a_callback_reads_the_metrics_and_history_and_changes_the_logs_as_in_fit(tmp_path):
+    """The metrics read 0.0 in every call (kdist's steps keep their state apart),
+    `model.history` was None, a changed log value left the history as it was, and
+    text in the logs raised a bare ValueError at the epoch's end."""
+    made = {}
+
+    def callbacks(side):
+        made[side] = [Reader()]
+        return made[side]
+
+    result, reference, history = both(callbacks, tmp_path)
+    assert [v for v in result.history["note"]] == [f"epoch {e}" for e in range(EPOCHS)]
+    assert history.history.pop("note") == result.history.pop("note")
+    assert_same_run(result, reference, history)
+    assert result.history["val_loss"][0] > 5 * result.history["loss"][0]  # Scaled by 10.
+    ours, theirs = made["kdist"][0].seen, made["fit"][0].seen
+    assert [call[0] for call in ours] == [call[0] for call in theirs]
+    for mine, fits in zip(ours, theirs, strict=True):
+        assert mine[1] == pytest.approx(fits[1], rel=1e-5) and mine[1]["loss"] > 0, mine
+        if mine[0] == "epoch_end":
+            assert sorted(mine[2]) == sorted(fits[2]), mine
+            for key, values in fits[2].items():
+                assert (values if key == "note" else pytest.approx(values, rel=1e-5)
+                        ) == mine[2][key], key
+
+
 def optimizer_state(model):
     return {v.name: float(keras.ops.convert_to_numpy(v)) for v in model.optimizer.variables}
 

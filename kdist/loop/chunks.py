@@ -138,7 +138,14 @@ def evaluate(engine, step, x, y, sample_weight, global_batch_size, steps_per_exe
 
 
 def evaluate_source(engine, step, source, global_batch_size, steps_per_execution=1, seed=0):
-    """{"loss": ..., each metric: ...} over every example of `source` (`kdist.inputs`), once.
+    """{"loss": ..., each metric: ...} over every example of `source` (`kdist.inputs`), once
+    (`evaluate_totals`)."""
+    return step.results(evaluate_totals(engine, step, source, global_batch_size,
+                                        steps_per_execution, seed), "test")
+
+
+def evaluate_totals(engine, step, source, global_batch_size, steps_per_execution=1, seed=0):
+    """The summed statistics of the test step over every example of `source`, once.
 
     Full global batches run in chunks as in training (a compiled call runs
     at most as many steps as there are batches, where the source knows
@@ -172,4 +179,4 @@ def evaluate_source(engine, step, source, global_batch_size, steps_per_execution
     for tail in tails:
         for key, value in engine.eval_whole(tail).items():
             totals[key] += np.asarray(value, np.float64)
-    return step.results(totals, "test")
+    return totals

@@ -10,6 +10,10 @@ adds what data parallelism needs:
   after it (`sync_from_model`), so a callback reads and sets the model as
   in `fit`. `on_train_batch_begin`/`end` come once per compiled chunk of
   steps, with the epoch's results so far;
+- the model's metrics hold, during each call, the state `fit` leaves in
+  them there (the epoch's steps so far; after an evaluation, the test
+  data's), so `model.get_metrics_result()` reads as the logs do; `model.history`
+  is a Keras `History` of the run's epochs, as `fit` sets it;
 - `model.stop_training`, set by any worker's callback, is agreed on through
   the engine's collective (`any_worker`) after each chunk and each epoch,
   so every worker stops after the same step;
@@ -25,7 +29,7 @@ adds what data parallelism needs:
 
 import contextlib
 import pickle
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -55,14 +59,23 @@ class Hooks:
     """The run's callbacks (none: every method does nothing and costs nothing)."""
 
     def __init__(self, callbacks: Sequence[keras.callbacks.Callback], model: keras.Model,
-                 engine: Engine, epochs: int, steps: int | None):
+                 engine: Engine, epochs: int, steps: int | None,
+                 metric_state: Callable[[Any], list[tuple[Any, Any]]],
+                 history: dict[str, list[Any]]):
+        """`metric_state(totals)` gives the metric variables' values after the steps
+        that summed `totals` (None: their reset values); `history` holds the epochs
+        trained before a resume."""
         kept = [c for c in callbacks if engine.is_chief or not isinstance(c, WRITES_FILES)]
-        self.engine, self.model = engine, model
+        self.engine, self.model, self.metric_state = engine, model, metric_state
         # The same on every worker: `poll_stop` is a collective.
         self.active = bool(callbacks)
-        self._logs = _EpochLogs()  # Last: it sees what the others added.
+        self._logs = _EpochLogs()  # Last but Keras' History: it sees what the others added.
         self.callbacks = keras.callbacks.CallbackList(
-            [*kept, self._logs], model=model, verbose=0, epochs=epochs, steps=steps)
+            [*kept, self._logs], add_history=True, model=model, verbose=0, epochs=epochs,
+            steps=steps)
+        assert self.callbacks._history is not None  # add_history
+        self.callbacks._history.history = {k: list(v) for k, v in history.items()}
+        self.totals: Any = None  # What the metrics hold in a call (None: their reset state).
         self.stopped = False  # Whether a callback's stop has been agreed on.
         model.stop_training = False
         self._trainable = [id(v) for v in model.trainable_variables] if self.active else []
@@ -73,9 +86,12 @@ class Hooks:
         if self.active:
             self.engine.sync_to_model()
             kept = [(v, keras.ops.convert_to_numpy(v.value)) for v in keep]
-            getattr(self.callbacks, method)(*args)
-            for variable, value in kept:
+            metrics = self.metric_state(self.totals) if self.totals is not None else []
+            for variable, value in metrics:
                 variable.assign(value)
+            getattr(self.callbacks, method)(*args)
+            for variable, value in kept + (self.metric_state(None) if metrics else []):
+                variable.assign(value)  # The steps' metrics start from their reset state.
             self.engine.sync_from_model()
             self._check_trainable(method)
 
@@ -93,34 +109,41 @@ class Hooks:
     def train_begin(self) -> None:
         self._call("on_train_begin")
 
-    def train_end(self, logs: dict[str, float]) -> None:
+    def train_end(self, logs: dict[str, Any]) -> None:
         self._call("on_train_end", dict(logs))
 
     def epoch_begin(self, epoch: int, keep: Sequence[Any] = ()) -> None:
         """`epoch` counted from 0, as Keras counts it. The variables in `keep` (the
         learning rates, on a resume in the middle of the epoch, whose checkpoint
         holds what the callbacks set at its beginning) keep their values."""
+        self.totals = None  # `fit` resets the metrics before.
         self._call("on_epoch_begin", epoch, keep=keep)
 
-    def epoch_end(self, epoch: int, logs: dict[str, float]) -> dict[str, float]:
-        """Returns what the callbacks added to `logs` ("learning_rate", say), as in
-        `fit`, where later callbacks and the `History` see them."""
+    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> dict[str, float | str]:
+        """Returns what the callbacks added to `logs` ("learning_rate", say) or
+        changed in them, as in `fit`, where later callbacks and the `History` see
+        them: numbers and text (kdist records them in checkpoints and metrics files)."""
         self._call("on_epoch_end", epoch, logs)
-        return {k: float(v) for k, v in self._logs.logs.items() if k not in logs}
+        return {k: _recorded(k, v) for k, v in self._logs.logs.items()
+                if k not in logs or not _same(v, logs[k])}
 
     def test_begin(self) -> None:
+        self.totals = None
         self._call("on_test_begin")
 
-    def test_end(self, logs: dict[str, float]) -> None:
+    def test_end(self, logs: dict[str, float], totals: Any) -> None:
+        """`totals`: the test step's summed statistics (`metric_state`)."""
+        self.totals = totals
         self._call("on_test_end", dict(logs))
 
     def batch_begin(self, step: int) -> None:
         """Before a chunk whose first step is `step` of the epoch (from 0)."""
         self._call("on_train_batch_begin", step)
 
-    def batch_end(self, step: int, logs: dict[str, float]) -> None:
+    def batch_end(self, step: int, logs: dict[str, float], totals: Any) -> None:
         """After a chunk whose last step is `step` of the epoch (from 0); `logs` are the
-        epoch's results so far, as in `fit`."""
+        epoch's results so far, as in `fit`, from `totals`, the statistics summed."""
+        self.totals = totals
         self._call("on_train_batch_end", step, dict(logs))
 
     @contextlib.contextmanager
@@ -150,6 +173,29 @@ class Hooks:
         if self.active and not self.stopped:
             self.stopped = self.engine.any_worker(bool(self.model.stop_training))
         return self.stopped
+
+
+def _same(value: Any, logged: Any) -> bool:
+    try:
+        return bool(float(value) == logged)
+    except (TypeError, ValueError):
+        return False
+
+
+def _recorded(key: str, value: Any) -> float | str:
+    """A value a callback put in the epoch's logs, as kdist records it: a number
+    (a Python or NumPy one, a tensor of one value) or text."""
+    if isinstance(value, str):
+        return value
+    try:
+        return float(keras.ops.convert_to_numpy(value).item())
+    except (TypeError, ValueError, AttributeError):
+        pass
+    shape = getattr(value, "shape", None)
+    raise UsageError(
+        f"a callback put {key!r} in the epoch's logs, a {type(value).__name__}"
+        f"{'' if shape is None else f' of shape {tuple(shape)}'}; kdist records a number "
+        "or text per epoch (in the history, the checkpoints and the metrics file)")
 
 
 class _EpochLogs(keras.callbacks.Callback):

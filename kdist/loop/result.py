@@ -37,7 +37,7 @@ class TrainingResult:
     """
 
     model: Any
-    history: dict[str, list[float]]
+    history: dict[str, list[float | str]]
     epochs: list[dict[str, Any]]
     restored: dict[str, Any] | None
     stopped_by_callback: bool = False
@@ -59,17 +59,17 @@ class TrainingResult:
         return getattr(self, self._OLD_KEYS[key])
 
 
-def keras_history(records: tuple[EpochRecord, ...]) -> dict[str, list[float]]:
+def keras_history(records: tuple[EpochRecord, ...]) -> dict[str, list[float | str]]:
     """{"loss": [...], "accuracy": [...], "val_loss": [...], ...} of `records`, with
     the keys in the order of the first record."""
-    history: dict[str, list[float]] = {}
+    history: dict[str, list[float | str]] = {}
     for record in records:
         for key, value in epoch_logs(record).items():
             history.setdefault(key, []).append(value)
     return history
 
 
-def epoch_logs(record: EpochRecord, extra: bool = True) -> dict[str, float]:
+def epoch_logs(record: EpochRecord, extra: bool = True) -> dict[str, float | str]:
     """An epoch's results under the names `fit` gives its callbacks' logs, with what
     callbacks added to them if `extra` (`on_train_end` gets them without)."""
     return {**record.train, **{f"val_{k}": v for k, v in record.test.items()},

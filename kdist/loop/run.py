@@ -20,7 +20,7 @@ from kdist.errors import CheckpointError, TrainingError, UsageError
 from kdist.inputs import pipelines
 from kdist.inputs.batching import worker_rows
 from kdist.loop import agreement, building, reporting, resuming
-from kdist.loop.chunks import evaluate_source, run_steps, zero_totals
+from kdist.loop.chunks import evaluate_totals, run_steps, zero_totals
 from kdist.runtime import memory
 from kdist.step import draws
 
@@ -143,9 +143,10 @@ class Run:
     def evaluate(self, calls):
         """The epoch's evaluation on the test data, between the callbacks' test hooks."""
         calls.test_begin()
-        results = evaluate_source(self.engine, self.step, self.dataset.test, self.global_batch,
-                                  self.config.steps_per_execution, self.config.seed)
-        calls.test_end(results)
+        totals = evaluate_totals(self.engine, self.step, self.dataset.test, self.global_batch,
+                                 self.config.steps_per_execution, self.config.seed)
+        results = self.step.results(totals, "test")
+        calls.test_end(results, totals)
         return results
 
     def save(self, position, log, progress=None):
@@ -230,6 +231,6 @@ def step_callback(step, epoch, first_step, global_batch, progress, calls):
             if progress is not None:
                 rate = done * global_batch / (time.perf_counter() - start)
                 progress.update(step_in_epoch, results, rate)
-            calls.batch_end(step_in_epoch - 1, results)
+            calls.batch_end(step_in_epoch - 1, results, totals)
 
     return on_step

@@ -143,7 +143,8 @@ def _train(run, log, stop, callbacks):
     position = run.position
     metrics.start(position.history)  # Each epoch once, even after a crash and a resume.
     own = [_to_tensorboard(run, position, banner)] if config.tensorboard else []
-    calls = hooks.Hooks([*callbacks, *own], run.model, run.engine, config.epochs, run.steps)
+    calls = hooks.Hooks([*callbacks, *own], run.model, run.engine, config.epochs, run.steps,
+                        run.step.metric_state, keras_history(position.history))
     calls.train_begin()
     while position.epoch < config.epochs and not position.stopped:
         calls.epoch_begin(position.epoch, learning_rates(run.step.optimizers)

@@ -254,10 +254,8 @@ class Program:
         """{name: value} of summed statistics, in the order the step returns them:
         a metric's merged result, or a scalar's example-weighted mean."""
         count = float(totals["count"])
-        mapping = [(v, (reset + np.asarray(totals[metric_key(i)])).astype(reset.dtype))
-                   for i, (v, reset) in enumerate(zip(self.metric_variables, self.reset_values))]
         merged = {}
-        with keras.StatelessScope(state_mapping=mapping):  # Reads these; assigns nothing.
+        with keras.StatelessScope(state_mapping=self.metric_state(totals)):  # Assigns nothing.
             for metric in self.metrics:
                 value = metric.result()
                 values = (step_logs.flat(value) if isinstance(value, dict)
@@ -267,6 +265,23 @@ class Program:
         result_of = self.results_as[phase]
         return {name: merged[result_of[name]] if name in result_of else
                 float(totals[f"{name}_sum"]) / count for name in self.names[phase]}
+
+    def metric_state(self, totals):
+        """[(metric variable, value)] of summed statistics: each metric's state after
+        the steps they sum, as `fit` leaves it in the model; with the built-in step,
+        Keras' loss tracker's too (the loss summed over examples, and their count).
+        `totals` None: their reset state."""
+        def total(key):
+            return 0 if totals is None else np.asarray(totals[key])
+
+        state = [(v, (reset + total(metric_key(i))).astype(reset.dtype))
+                 for i, (v, reset) in enumerate(zip(self.metric_variables, self.reset_values))]
+        tracker = getattr(self.model, "_loss_tracker", None)
+        if (tracker is not None and "loss" in self.scalar_keys
+                and not defines(self.model, "train_step")):
+            state += [(tracker.total, np.float32(total("loss_sum"))),
+                      (tracker.count, np.float32(total("count")))]
+        return state
 
     def metric_names(self, phase="train"):
         """The names `results` gives for `phase`."""
