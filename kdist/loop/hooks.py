@@ -28,6 +28,7 @@ adds what data parallelism needs:
 """
 
 import contextlib
+import math
 import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -176,10 +177,13 @@ class Hooks:
 
 
 def _same(value: Any, logged: Any) -> bool:
+    """Whether a callback left the logged value as it was (a NaN loss too)."""
     try:
-        return bool(float(value) == logged)
+        number = float(value)
     except (TypeError, ValueError):
         return False
+    return bool(number == logged or (math.isnan(number) and isinstance(logged, float)
+                                     and math.isnan(logged)))
 
 
 def _recorded(key: str, value: Any) -> float | str:
