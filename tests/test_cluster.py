@@ -91,7 +91,8 @@ def test_help_documents_the_worker_flags_and_variables(capsys):
         train_cli.main(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for word in ("--peers", "--workers", "--worker-index", "--connect-timeout", "--optimizer",
-                 "TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES", "scripts/launch.py"):
+                 "TF_CONFIG", "KERAS_DISTRIBUTION_JOB_ADDRESSES", "kdist-launch",
+                 "KDIST_PEERS", "SLURM"):
         assert word in text
 
 
