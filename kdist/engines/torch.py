@@ -49,8 +49,7 @@ def connect(spec, replicas=None):
     `init_process_group` has returned.
     """
     if replicas not in (None, 1):
-        raise UsageError(f"--replicas {replicas}: on torch each worker process is one "
-                         "replica; leave --replicas out when starting the workers yourself")
+        _refuse_replicas_per_worker(replicas)
     device = _device()
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -100,6 +99,13 @@ def _share_cores():
     torch.set_num_threads(processes.cores_per_process())
 
 
+def _refuse_replicas_per_worker(replicas):
+    raise UsageError(
+        f"--replicas {replicas}: on torch each worker process is one replica; leave "
+        "--replicas out when starting the workers yourself (a machine then holds "
+        "as many replicas as the launcher starts processes there)")
+
+
 def served_address(spec):
     """Worker 0 serves the TCP store on the first address; under torchrun its agent
     serves it, and worker 0 connects to it like the others."""
@@ -131,10 +137,7 @@ class Engine(contract.Engine):
         world = dist.get_world_size() if grouped else 1
         if grouped and world > 1 and replicas not in (None, 1) and os.environ.get(
                 processes.REPLICA_PROCESSES_VARIABLE) != "1":  # Workers a launcher started.
-            raise UsageError(
-                f"--replicas {replicas}: on torch each worker process is one replica; leave "
-                "--replicas out when starting the workers yourself (a machine then holds "
-                "as many replicas as the launcher starts processes there)")
+            _refuse_replicas_per_worker(replicas)
         # With a group, `replicas` may also count this worker's own: one.
         if replicas not in (None, world) and not (grouped and replicas == 1):
             raise ReplicaPerProcess(
