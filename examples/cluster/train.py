@@ -17,8 +17,6 @@ system, so that a resumed run finds the chief's checkpoints wherever it runs.
 import argparse
 import sys
 
-import keras
-
 import kdist
 
 
@@ -51,6 +49,8 @@ def main(argv=None):
 
 
 def train(args):
+    import keras  # Here: after prepare_environment.
+
     worker = kdist.connect()  # Joins the workers the environment names; alone, nothing.
 
     def model():  # Compiled as for fit; plain SGD.
