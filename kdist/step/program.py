@@ -35,7 +35,7 @@ from keras import ops
 
 from kdist import tree
 from kdist.errors import UsageError
-from kdist.step import compiled, portable, reductions
+from kdist.step import compiled, portable, reductions, refusals
 from kdist.step import context as step_context
 from kdist.step import logs as step_logs
 from kdist.step import optimizer as step_optimizer
@@ -78,12 +78,7 @@ class Program:
         step_optimizer.refuse_nested(model, self.optimizers)
         self.metrics = compiled.reported_metrics(model)
         self.metric_variables = [v for m in self.metrics for v in m.variables]
-        for variable in self.metric_variables:
-            if getattr(variable, "aggregation", "sum") != "sum":
-                raise UsageError(
-                    f"metric variable {variable.path!r} is aggregated by "
-                    f"{variable.aggregation!r}; kdist merges metrics over replicas and "
-                    "steps by summing their variables, as Keras' own metrics declare")
+        refusals.refuse_unmerged(self.metric_variables)
         self.reset_values = [np.array(v.numpy()) for v in self.metric_variables]
         self._take_variables()
         self.names: dict[str, list[str]] = {"train": [], "test": []}
@@ -106,23 +101,12 @@ class Program:
         self.guarded = frozenset(id(v) for v in model.trainable_variables) | frozenset(
             id(v) for o in self.optimizers for v in o.variables)
 
-    def _refuse_outside(self, phase, context):
-        """A `UsageError` where the building run of `phase` assigned, or applied an
-        optimizer to, a variable that is not among the program's: kdist keeps
-        (over steps, in checkpoints, in the model it returns) only these, and
-        on JAX an assignment to another would be dropped at each step."""
-        tracker = getattr(self.model, "_loss_tracker", None)  # `fit`'s; kdist reports the loss.
-        known = {id(v) for v in self.variables + self.metric_variables + list(
+    def _known_ids(self):
+        """The ids of the variables a step may assign: the program's, the metrics',
+        and `fit`'s loss tracker's (kdist reports the loss itself)."""
+        tracker = getattr(self.model, "_loss_tracker", None)
+        return {id(v) for v in self.variables + self.metric_variables + list(
             getattr(tracker, "variables", ()))}
-        for doing, found in (("assigns", context.assigned),
-                             ("applies an optimizer to", context.applied_to)):
-            outside = [v for key, v in found.items() if key not in known]
-            if outside:
-                raise UsageError(
-                    f"the {phase}_step {doing} {outside[0].path!r}, a variable the model "
-                    "does not hold: kdist keeps, averages and checkpoints the variables of "
-                    "the model, its layers and sub-models, its optimizers and metrics (as "
-                    "its attributes) only; make whatever holds it an attribute of the model")
 
     @property
     def evaluates(self):
@@ -150,12 +134,7 @@ class Program:
                 with watch as calls, step_optimizer.refusing_unknown(self.optimizers), \
                         step_logs.results_recorded(self.metrics) as returned_as:
                     logs, _ = self._call(context, phase, tensors + ((),))
-            if calls:
-                function, path, line = calls[0]
-                raise UsageError(
-                    f"the {phase}_step calls {function} ({path}:{line}); write a step with "
-                    "keras, keras.ops and kdist's primitives only, so that it runs on every "
-                    "backend")
+            refusals.refuse_framework_calls(phase, calls)
             self.names[phase] = list(logs)
             # A key is a metric's where its value is that metric's `result()`; where
             # the keys are the metrics' names exactly, each is its metric (`fit` then
@@ -165,12 +144,7 @@ class Program:
             self.draws[phase] = context.recorded_draws
             for name, value in logs.items():
                 if name not in self.results_as[phase]:
-                    if value is None or len(ops.shape(value)) != 0:
-                        raise UsageError(
-                            f"the {phase}_step returns {name!r} of shape "
-                            f"{None if value is None else tuple(ops.shape(value))}; return "
-                            "scalars (kdist averages them over examples, replicas and "
-                            "workers) or the results of the model's metrics")
+                    refusals.refuse_non_scalar_log(phase, name, value)
                     scalars[name] = None
         self.scalar_keys = list(scalars)
         # A model of sub-models is never called itself: its layers are built now, so
@@ -178,8 +152,8 @@ class Program:
         self.model.built = True
         self._take_variables()
         for phase, context in contexts.items():
-            self._refuse_outside(phase, context)
-            _refuse_overwritten(context, engine.batch_shares)
+            refusals.refuse_outside(phase, context, self._known_ids())
+            refusals.refuse_overwritten(context, engine.batch_shares)
         self.keys = ("count", "skipped") + tuple(f"{k}_sum" for k in self.scalar_keys) + tuple(
             metric_key(i) for i in range(len(self.metric_variables)))
 
@@ -235,18 +209,10 @@ class Program:
             try:
                 value = metric.result()
             except AttributeError as error:  # F1Score, R2Score: variables made at first update.
-                raise UsageError(
-                    f"metric {metric.name!r} ({type(metric).__name__}) has no variables yet "
-                    f"({error}): Keras makes them at its first update_state; make them where "
-                    "the model makes the metric: call its update_state once on zeros of the "
-                    "shapes it takes, then its reset_state()") from error
+                refusals.refuse_unready(metric, error)
             results = step_logs.flat(value) if isinstance(value, dict) else {metric.name: value}
             for name, result in results.items():
-                if len(ops.shape(result)) != 0:
-                    raise UsageError(
-                        f"metric {name!r} has a result of shape {tuple(ops.shape(result))}; "
-                        "kdist reports a number per metric: give it one (F1Score and "
-                        "FBetaScore: average='macro', 'micro' or 'weighted')")
+                refusals.refuse_non_scalar_result(name, result)
                 names[name] = metric
         return names
 
@@ -324,19 +290,3 @@ def defines(model, name):
 def _unique(items):
     return list({id(item): item for item in items}.values())
 
-
-def _refuse_overwritten(context, shares):
-    """A `UsageError` where replicas each run the step on a share of the batch and
-    it differentiates a variable whose "gradient" is its next value (Keras'
-    `overwrite_with_gradient`: float8 training's scales and amax histories):
-    each replica's comes from its own share, and no average of them is the
-    global batch's (the largest magnitude in it)."""
-    overwritten = list(context.overwritten.values())
-    if overwritten and shares > 1:
-        paths = ", ".join(v.path for v in overwritten[:2])
-        more = f" and {len(overwritten) - 2} more" if len(overwritten) > 2 else ""
-        raise UsageError(
-            f"{paths}{more} take their gradient as their next value (float8 training's "
-            f"scales and amax histories); {shares} replicas each compute it from their own "
-            "share of the batch, which kdist cannot combine into the global batch's: train "
-            "float8 on one replica, or on JAX")
