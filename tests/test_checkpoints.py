@@ -520,3 +520,82 @@ def test_a_kill_during_a_background_write_leaves_the_older_checkpoint_valid(tmp_
     assert os.path.basename(path) == "ckpt-00000001.weights.h5" and meta["epoch"] == 1
     manager.prepare()
     assert sorted(os.listdir(folder)) == ["ckpt-00000001.weights.h5"]
+
+
+class Chdir(keras.callbacks.Callback):
+    """Moves the process to `folder` after the first epoch."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 0:
+            os.chdir(self.folder)
+
+
+def test_a_relative_folder_stays_the_same_after_a_chdir_mid_run(tmp_path, monkeypatch):
+    """A run given `ck` writes, prunes and restores `ck` of the folder it started
+    in, whatever os.chdir a callback makes: it wrote into, and pruned, the new
+    folder's `ck`, another run's checkpoints."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = kdist.Dataset(x, x, x, x, "toy")
+    other = tmp_path / "elsewhere" / "ck"
+    other.mkdir(parents=True)
+    theirs = {}
+    for step in (36, 48, 60):  # Another run's checkpoints, past this run's steps.
+        name = f"ckpt-{step:08d}.weights.h5"
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+        checkpoints.CheckpointManager(str(other)).save(
+            model, step, dict(epoch=step // 4, history=[], backend="x", replicas=1, seed=0))
+        theirs[name] = (other / name).read_bytes()
+    monkeypatch.chdir(tmp_path)
+    config = training.TrainConfig(epochs=3, batch_size_per_replica=16, replicas=1,
+                                  checkpoint_dir="ck", keep=2, metrics_file="m.jsonl")
+
+    def model_fn():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    result = kdist.train_and_evaluate(config, data, model_fn=model_fn, log=lambda line: None,
+                                      callbacks=[Chdir(tmp_path / "elsewhere")])
+    assert sorted(n for n in os.listdir(other)) == sorted(theirs)
+    assert all((other / name).read_bytes() == held for name, held in theirs.items())
+    assert sorted(os.listdir(tmp_path / "ck")) == ["ckpt-00000008.weights.h5",
+                                                  "ckpt-00000012.weights.h5"]
+    assert result.restored["checkpoint"] == str(tmp_path / "ck" / "ckpt-00000012.weights.h5")
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 4  # 3 epochs, restored.
+    assert not (tmp_path / "elsewhere" / "m.jsonl").exists()
+
+
+def test_a_lock_that_cannot_be_removed_leaves_the_runs_own_error(tmp_path, monkeypatch):
+    """The folder turns read-only mid-run: the checkpoint's write fails, and so does
+    the removal of the run's lock. The run ends in the write's CheckpointError,
+    the lock's removal a warning; the removal's PermissionError replaced it."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = kdist.Dataset(x, x, x, x, "toy")
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=1,
+                                  checkpoint_dir=str(tmp_path))
+
+    def model_fn():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+        return model
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    class ReadOnly(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            monkeypatch.setattr(os, "replace", read_only)
+            monkeypatch.setattr(os, "remove", read_only)
+
+    with pytest.warns(checkpoints.CheckpointWarning,
+                      match=f"could not remove {tmp_path}/kdist.lock: Operation not permitted"), \
+            pytest.raises(checkpoints.CheckpointError,
+                          match=f"^cannot write checkpoint in {tmp_path}: Operation not permitted"):
+        kdist.train_and_evaluate(config, data, model_fn=model_fn, log=lambda line: None,
+                                 callbacks=[ReadOnly()])
+    monkeypatch.undo()
+    assert (tmp_path / "kdist.lock").exists()

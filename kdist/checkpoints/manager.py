@@ -39,9 +39,11 @@ class CheckpointManager:
     def __init__(self, directory, keep=TrainConfig.keep):
         if keep < 1:
             raise ValueError(f"keep must be at least 1, got {keep}")
-        self.directory = directory
+        # Resolved once: a later os.chdir must not move the run's writes, and its
+        # pruning, into another folder.
+        self.directory = os.path.abspath(directory)
         self.keep = keep
-        self.lock = runlock.RunLock(directory)
+        self.lock = runlock.RunLock(self.directory)
 
     def prepare(self, lock=False, break_lock=False):
         """Creates the folder, proves it is writable, optionally locks it, removes leftovers.
@@ -85,8 +87,15 @@ class CheckpointManager:
                   f"{runlock.describe(replaced)} ({why})")
 
     def release(self):
-        """Releases the folder's run lock if this process holds it."""
-        self.lock.release()
+        """Releases the folder's run lock if this process holds it. A lock file that
+        cannot be removed (the folder turned read-only) is a warning, not an
+        error: the run's own error, if any, is the one to see, and the next run
+        takes a lock of a process that is gone over."""
+        try:
+            self.lock.release()
+        except OSError as e:
+            _warn(f"could not remove {self.lock.path}: {e.strerror or e}; the next run "
+                  "takes it over once this process has ended")
 
     def _scan(self):
         """(kdist's checkpoints as (progress, path, metadata), oldest first;

@@ -176,7 +176,7 @@ class MetricsWriter:
     """
 
     def __init__(self, path, metric_names=("loss", "accuracy"), test_names=None):
-        self.path = path
+        self.path = os.path.abspath(path) if path else None  # Whatever os.chdir comes later.
         self.csv_path = checks.metrics_csv_path(path) if path else None
         test_names = metric_names if test_names is None else test_names
         keys = ([f"train_{name}" for name in metric_names]

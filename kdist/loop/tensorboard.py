@@ -104,7 +104,8 @@ class RunToTensorBoard(keras.callbacks.Callback):
                  global_batch: int, first_step: int, config: dict[str, Any],
                  engine_line: str):
         super().__init__()
-        self.folder, self.optimizers, self.global_batch = folder, optimizers, global_batch
+        self.folder = os.path.abspath(folder)  # Whatever os.chdir comes before training.
+        self.optimizers, self.global_batch = optimizers, global_batch
         self.config, self.engine_line = config, engine_line
         self.step = first_step  # Global steps done.
         self.writer: EventWriter | None = None
