@@ -113,3 +113,34 @@ def test_an_unreadable_lock_is_named_as_such(tmp_path):
     (tmp_path / runlock.LOCK_NAME).write_text("")
     with pytest.raises(checkpoints.CheckpointError, match="an unknown run"):
         locked(tmp_path)
+
+
+def test_a_lock_taken_over_by_another_run_meanwhile_is_not_removed(tmp_path, monkeypatch):
+    """Two runs find the same stale lock; the other takes it over between this run's
+    reading it and its take-over. The other run's lock stays, and this run is
+    refused: the take-over removed whatever lock file was there, and both ran."""
+    pid = dead_pid()
+    write_lock(tmp_path, pid, socket.gethostname())
+    path = tmp_path / runlock.LOCK_NAME
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    theirs = dict(pid=other.pid, host=socket.gethostname(), started=0,
+                  process_start=runlock._start_ticks(other.pid))
+    judged = runlock.is_stale
+
+    def taken_meanwhile(owner):  # This run judges pid's lock stale; the other takes it.
+        stale = judged(owner)
+        if owner and owner.get("pid") == pid:
+            path.unlink()
+            path.write_text(json.dumps(theirs))
+        return stale
+
+    monkeypatch.setattr(runlock, "is_stale", taken_meanwhile)
+    try:
+        with pytest.raises(checkpoints.CheckpointError, match=f"in use by another run \\(pid "
+                                                              f"{other.pid} "):
+            locked(tmp_path)
+        assert json.loads(path.read_text()) == theirs
+        assert sorted(p.name for p in tmp_path.iterdir()) == [runlock.LOCK_NAME]
+    finally:
+        other.kill()
+        other.wait()

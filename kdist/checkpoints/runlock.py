@@ -5,14 +5,17 @@ at once exactly one gets it. A lock whose process is gone (same host, pid no
 longer running, a zombie, or running a process that started at another time
 than the owner: the pid reused) is stale and is taken over. A lock of a live process, or of
 another host (whose processes cannot be checked from here), is broken only
-when the user forces it.
+when the user forces it. A take-over removes only the lock file it judged
+(`_take_over`), so of two runs taking over one stale lock at once, one gets it.
 """
 
+import contextlib
 import errno
 import json
 import os
 import socket
 import time
+import uuid
 
 from kdist.errors import LockHeld
 
@@ -103,7 +106,7 @@ class RunLock:
                 if not (force or is_stale(other)):
                     raise LockHeld(describe(other)) from None
                 replaced = other or {}
-                _remove(self.path)
+                _take_over(self.path, other)
                 continue
             owner = _owner()
             with os.fdopen(fd, "w") as f:
@@ -117,6 +120,22 @@ class RunLock:
         if self.owner is not None and read_owner(self.path) == self.owner:
             _remove(self.path)
         self.owner = None
+
+
+def _take_over(path, judged):
+    """Removes lock file `path` if it still holds `judged`, the owner found stale (or
+    forced). It is first renamed to a name of this process's: of runs taking over
+    at once, one moves the stale file; another that moves a lock taken meanwhile
+    links it back in place."""
+    aside = f"{path}.{os.getpid()}-{uuid.uuid4().hex}"
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:  # Another run moved it first.
+        return
+    if read_owner(aside) != judged:  # A run's fresh lock: back where it was.
+        with contextlib.suppress(FileExistsError):  # A third run holds the name now.
+            os.link(aside, path)
+    _remove(aside)
 
 
 def _remove(path):
