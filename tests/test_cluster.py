@@ -11,7 +11,7 @@ from kdist.cli import launch
 from kdist.cli import train as train_cli
 from kdist.runtime.startup import UsageError
 from kdist.workers import cluster, processes, slurm
-from kdist.workers.processes import TRAIN, free_ports, worker_command
+from kdist.workers.processes import TRAIN, Worker, free_ports, worker_command
 
 # Nothing here depends on the backend (which workers take part: flags and environment
 # variables): one session runs it.
@@ -101,6 +101,78 @@ def test_launcher_refuses_cluster_flags_of_its_own(capsys):
         launch.main(["--workers", "2", "--", "--peers", "h:1,h:2"])
     assert exit_.value.code == 2
     assert "the launcher tells each worker its peers and index itself" in capsys.readouterr().err
+
+
+def no_workers(monkeypatch):
+    """Makes `kdist-launch` fail the test if it starts a worker."""
+    def start(num_workers, args):
+        raise AssertionError(f"started {num_workers} workers of {args}")
+
+    monkeypatch.setattr(launch, "start", start)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/kdist-launch"])  # As the installed command.
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timeout", "0"], "argument --timeout: must be greater than 0, got 0"),
+    (["--timeout", "-1"], "argument --timeout: must be greater than 0, got -1"),
+    (["--timeout", "nan"], "argument --timeout: must be greater than 0, got nan"),
+    (["--timeout", "inf"], "argument --timeout: must be a finite number, got inf"),
+    (["--grace", "-5"], "argument --grace: must be 0 or more, got -5"),
+    (["--grace", "nan"], "argument --grace: must be 0 or more, got nan"),
+    (["--grace", "inf"], "argument --grace: must be a finite number, got inf"),
+])
+def test_launcher_refuses_bad_bounds_before_any_worker_starts(capsys, monkeypatch, flags,
+                                                               message):
+    no_workers(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["--workers", "1", *flags, "--", "--synthetic"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "error" in line] == [
+        f"kdist-launch: error: {message}"], captured.err
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize("program", ["nosuchcmd", "./nosuchcmd", sys.executable + ".d"])
+def test_launcher_refuses_a_command_not_found_before_any_worker_starts(capsys, monkeypatch,
+                                                                       program):
+    no_workers(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["--workers", "2", "--", program, "--epochs", "1"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "error" in line] == [
+        f"kdist-launch: error: {program}: command not found"], captured.err
+    assert captured.out == ""
+
+
+def test_launcher_refuses_a_file_that_is_no_program(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/kdist-launch"])
+    for mode in (0o644, 0o755):  # Not executable; executable without a #! line.
+        program = tmp_path / f"program-{mode:o}"
+        program.write_text("epochs = 1\n")
+        program.chmod(mode)
+        with pytest.raises(SystemExit) as exit_:
+            launch.main(["--workers", "2", "--", str(program)])
+        assert exit_.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.err.splitlines()[-1].startswith(f"kdist-launch: error: {program}: ")
+        assert "Traceback" not in captured.err and "pid" not in captured.out
+
+
+def test_a_worker_that_cannot_start_stops_those_started(monkeypatch):
+    started = []
+
+    def worker(index, command, env):
+        if index == 1:
+            raise OSError(8, "Exec format error")
+        started.append(Worker(index, command, env))
+        return started[-1]
+
+    monkeypatch.setattr(processes, "Worker", worker)
+    with pytest.raises(OSError, match="Exec format error"):
+        processes.start(2, [sys.executable, "-c", "import time; time.sleep(60)"])
+    assert started and started[0].proc.poll() is not None
 
 
 def test_free_ports_are_distinct():

@@ -25,13 +25,23 @@ def command_name(fallback):
 
 def positive(kind):
     """A parser of a `kind` (int or float) greater than 0 and finite."""
+    return _number(kind, lambda value: value > 0, "must be greater than 0")
+
+
+def non_negative(kind):
+    """A parser of a `kind` (int or float) of 0 or more and finite."""
+    return _number(kind, lambda value: value >= 0, "must be 0 or more")
+
+
+def _number(kind, allowed, requirement):
+    """A parser of a finite `kind` for which `allowed(value)` holds (False for NaN)."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if not allowed(value):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {text}")
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         return value

@@ -13,20 +13,23 @@ worker killed by signal N), after its last lines. SIGTERM, SIGINT or SIGHUP to
 the launcher sends SIGTERM to every worker: they stop after the same step, the
 chief checkpoints. If the launcher itself is killed, its workers stop as on
 SIGTERM (`follow_launcher`). Every wait is bounded: `--timeout` for the whole
-run, `--grace` for workers to stop. Imports no framework.
+run, `--grace` for workers to stop. Bad flags and a command that is not found
+are usage errors (exit 2) before any worker starts. Imports no framework.
 """
 
 
 import argparse
+import shutil
 import signal
 import sys
 
-from kdist.cli.flags import command_name
+from kdist.cli.flags import command_name, non_negative, positive
 from kdist.workers.processes import (
     STOP_SIGNALS,
     start,
     stop_all,
     supervise,
+    worker_command,
 )
 
 
@@ -41,10 +44,10 @@ def parser():
                     "kdist.train_and_evaluate or kdist.connect). Each worker learns its "
                     "place from KDIST_PEERS and KDIST_WORKER_INDEX.")
     p.add_argument("--workers", type=int, required=True, help="number of worker processes")
-    p.add_argument("--timeout", type=float, default=24 * 3600.0,
+    p.add_argument("--timeout", type=positive(float), default=24 * 3600.0,
                    help="stop every worker and fail after this many seconds "
                         "(default: %(default)s)")
-    p.add_argument("--grace", type=float, default=30.0,
+    p.add_argument("--grace", type=non_negative(float), default=30.0,
                    help="seconds a worker gets to exit after SIGTERM before SIGKILL "
                         "(default: %(default)s)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
@@ -62,7 +65,13 @@ def main(argv=None):
     if given:
         parser().error("the launcher tells each worker its peers and index itself; drop "
                        f"{' and '.join(given)} after --")
-    workers = start(args.workers, train_args)
+    program = worker_command(train_args)[0]
+    if shutil.which(program) is None:  # Not on PATH, or a path to no executable file.
+        parser().error(f"{program}: command not found")
+    try:
+        workers = start(args.workers, train_args)
+    except OSError as e:  # An executable file that cannot run (no #! line, say).
+        parser().error(f"{program}: {e.strerror or e}")
 
     def on_signal(signum, frame):  # Like Ctrl-C: every worker checkpoints and stops.
         raise KeyboardInterrupt

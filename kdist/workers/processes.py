@@ -154,17 +154,22 @@ def worker_command(args):
 
 def start(num_workers, args):
     """Starts `num_workers` workers of `worker_command(args)` on 127.0.0.1, each told
-    the cluster by `KDIST_PEERS` and `KDIST_WORKER_INDEX`."""
+    the cluster by `KDIST_PEERS` and `KDIST_WORKER_INDEX`. If one cannot start, those
+    started before it are killed and the error is raised."""
     ports = free_ports(num_workers)
     peers = ",".join(f"127.0.0.1:{port}" for port in ports)
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     env.update({"PYTHONUNBUFFERED": "1", LAUNCHER_VARIABLE: str(os.getpid()),
                 LOCAL_PROCESSES_VARIABLE: str(num_workers), PEERS_VARIABLE: peers})
     workers = []
-    for index in range(num_workers):
-        env[WORKER_INDEX_VARIABLE] = str(index)
-        workers.append(Worker(index, worker_command(args), dict(env)))
-        _print_line(f"kdist-launch: worker {index} pid {workers[-1].proc.pid} ({peers})")
+    try:
+        for index in range(num_workers):
+            env[WORKER_INDEX_VARIABLE] = str(index)
+            workers.append(Worker(index, worker_command(args), dict(env)))
+            _print_line(f"kdist-launch: worker {index} pid {workers[-1].proc.pid} ({peers})")
+    except BaseException:
+        stop_all(workers, 0)
+        raise
     return workers
 
 
