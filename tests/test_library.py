@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -61,6 +62,48 @@ def test_plot_script_writes_a_png(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert metric_names(read_epochs(str(metrics))) == ["loss", "accuracy", "auc"]
+
+
+def plot_script(*args, cwd, env=None):
+    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot.py"), *args],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("output, written", [("noext", "noext.png"), ("x.png", "x.png"),
+                                             ("out.", "out.png")])
+def test_plot_script_prints_the_path_it_writes(tmp_path, output, written):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(dict(epoch=e, train_loss=1.0 / e)) + "\n"
+                               for e in (1, 2)))
+    result = plot_script(str(metrics), "-o", output, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == written + "\n"
+    assert (tmp_path / written).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == sorted(["metrics.jsonl", written])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["nofile.jsonl"], "nofile.jsonl: no such file"),
+    (["metrics.jsonl", "-o", "."], "--output .: is a folder; pass a file path in a folder "
+                                   "you can write"),
+    (["metrics.jsonl", "-o", "out"], "--output out: is a folder; pass a file path in a folder "
+                                     "you can write"),
+])
+def test_plot_script_refuses_a_missing_file_or_a_folder_before_matplotlib_loads(
+        tmp_path, args, message):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(dict(epoch=1, train_loss=1.0)) + "\n")
+    (tmp_path / "out").mkdir()
+    stub = tmp_path / "stub" / "matplotlib"  # Imported instead of matplotlib: it must not be.
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("raise SystemExit('matplotlib was imported')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(stub.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    result = plot_script(*args, cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stderr
+    assert [line for line in result.stderr.splitlines() if "error" in line] == [
+        f"plot.py: error: {message}"], result.stderr
+    assert result.stdout == ""
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "out", "stub"]
 
 
 def test_plot_script_rejects_a_file_without_epochs(tmp_path):

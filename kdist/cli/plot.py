@@ -2,9 +2,12 @@
 
 import argparse
 import json
+import os
 import sys
 
+from kdist import checks
 from kdist.cli.flags import command_name
+from kdist.errors import UsageError
 
 
 def read_epochs(metrics_file):
@@ -31,8 +34,18 @@ def metric_names(records):
     return sorted(names, key=lambda name: (name != "loss", name))
 
 
+def image_path(path):
+    """The file written for output `path`: `path` with `.png` appended where it has
+    no suffix (`curves` and `curves.` are `curves.png`), else `path` itself (an existing
+    folder too)."""
+    root, suffix = os.path.splitext(path)
+    return root + ".png" if suffix in ("", ".") and not os.path.isdir(path) else path
+
+
 def plot_curves(metrics_file, output):
-    """Draws train/test curves per epoch, one panel per metric, into one PNG at `output`."""
+    """Draws train/test curves per epoch, one panel per metric, into one image at
+    `image_path(output)` (its suffix names the format); returns that path."""
+    output = image_path(output)
     import matplotlib
 
     matplotlib.use("Agg")  # Files only; no display needed.
@@ -63,14 +76,23 @@ def plot_curves(metrics_file, output):
 
 
 def main(argv=None):
-    """`kdist-plot METRICS -o PNG`; returns the exit status."""
+    """`kdist-plot METRICS -o IMAGE`; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog=command_name("kdist-plot"),
-        description="Draw the learning curves of a --metrics-file as a PNG.")
+        description="Draw the learning curves of a --metrics-file as an image (PNG by "
+                    "default) and print its path.")
     parser.add_argument("metrics_file", help="JSON lines written by kdist-train --metrics-file")
     parser.add_argument("-o", "--output", default="curves.png",
-                        help="PNG to write (default: %(default)s)")
+                        help="an image file; .png unless its suffix names another format "
+                             "matplotlib writes (.svg, .pdf, .jpg, ...); .png is appended "
+                             "to a path without a suffix (default: %(default)s)")
     args = parser.parse_args(argv)
+    if not os.path.isfile(args.metrics_file):
+        parser.error(f"{args.metrics_file}: no such file")
+    try:
+        checks.check_writable_file(image_path(args.output), "--output")
+    except UsageError as e:
+        parser.error(str(e))
     try:
         print(plot_curves(args.metrics_file, args.output))
     except (OSError, ValueError) as e:
