@@ -4,7 +4,10 @@ Its batches are taken in an order shuffled by (seed, epoch), as `fit`
 shuffles a PyDataset's batches; every batch but the last must hold as many
 examples as the first. A worker reads only the batches that hold its rows of
 each global batch; a resume starts at its rows' index. `on_epoch_begin` /
-`on_epoch_end` are called around each epoch's steps; `workers`,
+`on_epoch_end` are called around each epoch's steps, and, before a resumed
+run's first epoch, once for each earlier epoch the object has not seen
+(`_catch_up`), so one that reshuffles its rows there reads what an
+uninterrupted run reads; `workers`,
 `use_multiprocessing` and `max_queue_size` are not used (kdist reads one
 chunk ahead on one thread). A PyDataset without a length, or an infinite
 one (`num_batches` None), is refused: an epoch is one pass over the data.
@@ -18,6 +21,8 @@ import numpy as np
 from kdist import tree
 from kdist.errors import DataError
 from kdist.inputs import arrays, base, batching
+
+_SEEN = "_kdist_epochs_seen"  # On the object: the epochs whose hooks have run.
 
 
 def is_py_dataset(given):
@@ -80,9 +85,11 @@ class PyDatasetSource(base.SizedSource, batching.CheckedSource):
         if self._cached[0] != (epoch, index):
             batch, rows = self.check(self._get(index, epoch), index)
             if rows != self.sizes[index]:
-                raise DataError(f"{self.what}: PyDataset batch {index} holds {rows} examples; "
-                                f"every batch but the last must hold {self.batch}, as the "
-                                "first does")
+                raise DataError(f"{self.what}: {self.kind} batch {index} holds {rows} "
+                                f"examples; every batch but the last must hold {self.batch}, "
+                                "as the first does (kdist finds each row's batch from that); "
+                                "pass batches of other sizes as a function returning an "
+                                "iterator of them")
             self._cached = ((epoch, index), batch)
         return self._cached[1]
 
@@ -108,13 +115,29 @@ class PyDatasetSource(base.SizedSource, batching.CheckedSource):
             steps = self.steps_per_epoch(global_batch, limit)
             rows = batching.worker_rows(global_batch, shard)
             self._cached = (None, None)
+            self._catch_up(epoch)
             getattr(self.dataset, "on_epoch_begin", _nothing)()  # A PyDataset's hooks.
             for step in range(start_step, steps):
                 offset = step * global_batch
                 yield self._rows(order, starts, offset + rows.start, offset + rows.stop, epoch)
             getattr(self.dataset, "on_epoch_end", _nothing)()
+            self._seen(epoch + 1)
 
         return base.Stream(slices())
+
+    def _catch_up(self, epoch):
+        """Calls the hooks of the epochs before `epoch` that the object has not seen
+        (a resumed run's; the count is noted on the object, so one that trained
+        them in this process is not moved again)."""
+        for _ in range(getattr(self.dataset, _SEEN, 0), epoch):
+            getattr(self.dataset, "on_epoch_begin", _nothing)()
+            getattr(self.dataset, "on_epoch_end", _nothing)()
+        self._seen(epoch)
+
+    def _seen(self, epochs):
+        """Notes on a dataset with hooks (a PyDataset) that it has seen `epochs`."""
+        if hasattr(self.dataset, "on_epoch_end"):
+            setattr(self.dataset, _SEEN, max(epochs, getattr(self.dataset, _SEEN, 0)))
 
     def evaluate(self, global_batch, shard=(0, 1)):
         def slices():
