@@ -147,6 +147,49 @@ def test_workers_that_would_resume_from_other_steps_all_stop_with_one_line(
     assert os.listdir(folders[0]) == ["ckpt-00000003.weights.h5"]  # Left as it was.
 
 
+ACTIVATION_SCRIPT = """
+import os, sys
+import kdist
+kdist.prepare_environment()
+import keras
+import numpy as np
+kdist.connect()
+x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+def model():
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation=os.environ["ACT"]),
+                          keras.layers.Dense(1)])
+    m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return m
+config = kdist.TrainConfig(epochs=1, batch_size_per_replica=8, checkpoint_dir=sys.argv[1])
+try:
+    kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, :1], x, x[:, :1], "toy"), model)
+except kdist.KdistError as error:
+    sys.exit(f"error: {error}")
+"""
+
+
+def test_workers_that_build_another_model_all_stop_with_one_line(tmp_path):
+    """Worker 1's hidden layer is tanh, worker 0's relu: every backend trained on,
+    without a word, a model that neither process builds (weights 0.08-0.14 from
+    either; likewise another loss weight or precision). Both now stop before
+    training, with the same line."""
+    script, port = tmp_path / "act.py", two_free_ports()
+    script.write_text(ACTIVATION_SCRIPT)
+    processes = [subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt")], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+        env=dict(environment(tmp_path), ACT=activation, **kubernetes(index, port)))
+        for index, activation in enumerate(("relu", "tanh"))]
+    errors = [p.communicate(timeout=240)[1] for p in processes]
+    assert [p.returncode for p in processes] == [1, 1], errors
+    for error in errors:
+        assert re.fullmatch(
+            r"error: the workers start with different models \(checksums of their layers, "
+            r"compiled loss and optimizers\) \(worker 0: \d+, worker 1: \d+\); start every "
+            r"worker with the same script, flags and data", error.strip().splitlines()[-1]), error
+    assert not os.listdir(tmp_path / "ckpt")
+
+
 @pytest.mark.skipif(BACKEND != "torch", reason="torch's workers are one replica each")
 def test_torch_workers_asked_for_replicas_each_are_refused(tmp_path):
     """2 workers, each with --replicas 2, trained 2 replicas in all (a global batch

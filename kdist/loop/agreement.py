@@ -2,16 +2,19 @@
 
 Each worker runs its own copy of the script; kdist broadcasts the chief's
 weights, but nothing else of one worker's reaches the others. Workers given
-other flags or data, or checkpoint folders that are not one folder, would
-train on (some hang in a collective, some train from other steps, some end
-first). So before the first step every worker sends what its run counts
+other flags, data or models (another activation, loss weight, precision or
+learning rate), or checkpoint folders that are not one folder, would train
+on (some hang in a collective, some train from other steps or another model,
+some end first). So before the first step every worker sends what its run counts
 in, and every worker raises the same `UsageError` where they differ. After
 each epoch the replicas compare checksums of their variables
 (`check_replicas_equal`).
 """
 
+import json
 import os
 import re
+import zlib
 
 from kdist import tree
 from kdist.errors import TrainingError, UsageError
@@ -27,7 +30,12 @@ def check_start(run, sample, latest):
         return
     config, dataset = run.config, run.dataset
     facts = {"global batch sizes": run.global_batch, "epochs": config.epochs,
-             "seeds": config.seed,
+             "seeds": config.seed, "steps per execution": config.steps_per_execution,
+             "checkpoint intervals (checksums)": digest(
+                 [config.checkpoint_every, config.checkpoint_every_steps,
+                  config.checkpoint_every_minutes]),
+             "models (checksums of their layers, compiled loss and optimizers)":
+                 model_digest(run.model, run.step.optimizers),
              # The step in the checkpoint's name (`ckpt-00000024.weights.h5`): its
              # metadata is checked only as it is restored, after this.
              "resume steps": None if latest is None else int(
@@ -37,6 +45,9 @@ def check_start(run, sample, latest):
                       "numbers of training examples": dataset.size("train"),
                       "numbers of test examples": dataset.size("test"),
                       "data (checksums of the first rows)": fingerprint(sample)})
+        if dataset.test is not None:
+            facts["test data (checksums of the first rows)"] = fingerprint(
+                dataset.test.sample())
     _agree(run.engine, facts)
 
 
@@ -84,6 +95,38 @@ def check_replicas_equal(engine, epoch, variables):
                "replica")
     raise TrainingError(f"the replicas' variables differ after epoch {epoch} ({names}): "
                         f"{why}; this epoch's checkpoint is not written")
+
+
+def model_digest(model, optimizers):
+    """A number for what the workers' models must share: each layer's class, config
+    (its units, activation, dtype policy; not its name) and weight shapes, the
+    compiled loss, loss weights and metrics, and each optimizer's config (its
+    learning rate). A config Keras cannot give counts as its class alone."""
+    def config(thing, method="get_config"):
+        try:
+            return _nameless(getattr(thing, method)())
+        except Exception:  # noqa: BLE001 - a layer of the user's without a config.
+            return type(thing).__qualname__
+
+    layers = [(type(layer).__qualname__, config(layer), [list(w.shape) for w in layer.weights])
+              for layer in model._flatten_layers(include_self=False)]
+    compiled = config(model, "get_compile_config") if model.compiled else None
+    return digest([layers, compiled, [config(o) for o in optimizers]])
+
+
+def _nameless(value):
+    """`value` (a config) without its "name" entries, which Keras numbers per process."""
+    if isinstance(value, dict):
+        return {k: _nameless(v) for k, v in value.items() if k != "name"}
+    if isinstance(value, (list, tuple)):
+        return [_nameless(v) for v in value]
+    return value
+
+
+def digest(value):
+    """A number for a structure of JSON values; an object else counts as its class."""
+    text = json.dumps(value, sort_keys=True, default=lambda o: type(o).__qualname__)
+    return zlib.crc32(text.encode())
 
 
 def fingerprint(batch):
