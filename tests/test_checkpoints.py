@@ -599,3 +599,29 @@ def test_a_lock_that_cannot_be_removed_leaves_the_runs_own_error(tmp_path, monke
                                  callbacks=[ReadOnly()])
     monkeypatch.undo()
     assert (tmp_path / "kdist.lock").exists()
+
+
+class Wrapped(keras.Model):
+    """A Dense(4) of 4 inputs inside a model of its own: a plain one's weight shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+
+    def call(self, x):
+        return self.net(x)
+
+
+def test_a_checkpoint_of_other_layers_of_the_same_shapes_is_one_error(tmp_path):
+    """kdist-evaluate of an own step's checkpoint with the tutorial CNN: a 38-line
+    Keras traceback (`A total of 4 objects could not be loaded`)."""
+    wrapped = Wrapped()
+    wrapped(np.zeros((1, 4), np.float32))
+    manager = checkpoints.CheckpointManager(str(tmp_path))
+    path = save(manager, wrapped, 1)
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4)])
+    with pytest.raises(checkpoints.CheckpointError,
+                       match=f"^{path} was written for a different model: Keras cannot load "
+                             "it \\(A total of 1 objects could not be loaded.* expected 2 "
+                             "variables, but received 0"):
+        checkpoints.restore(plain, path, optimizers=False)

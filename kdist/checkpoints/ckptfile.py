@@ -175,14 +175,19 @@ def load(model, data, optimizers=True):
     only (`_fit_optimizer_layout`). Raises InvalidCheckpoint, before
     loading anything, if `optimizers` (training goes on from the file) and
     the file holds another count of state variables than one of the model's
-    built optimizers has (`_check_optimizer_state`); after, if it holds
-    another count of seed generators or LoRA variables than the model has.
+    built optimizers has (`_check_optimizer_state`); if Keras cannot load it
+    (the model's layers are other ones, of the same weight shapes); after, if
+    it holds another count of seed generators or LoRA variables than the model has.
     """
     data = _fit_optimizer_layout(data, getattr(model, "optimizer", None))
     with h5py.File(Buffer(data), "r") as f:
         if optimizers:
             _check_optimizer_state(f, model)
-    model.load_weights(Buffer(data))
+    try:
+        model.load_weights(Buffer(data))
+    except ValueError as e:  # Keras: the file's layers are not the model's (same shapes).
+        said = " ".join([line for line in str(e).splitlines() if line.strip()][:2])
+        raise InvalidCheckpoint(f"Keras cannot load it ({said})") from None
     with h5py.File(Buffer(data), "r") as f:
         unsaved.read(model, f)
 
