@@ -695,3 +695,15 @@ def test_a_pydataset_that_reshuffles_in_on_epoch_end_resumes_exactly(tmp_path):
         for a, b in zip(got, weights):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert same.epochs == 3
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is not None,
+                    reason="the error of an install without TensorFlow")
+def test_tfrecords_without_tensorflow_is_one_usage_error(tmp_path):
+    """kdist[jax] or kdist[torch] alone: a 36-line traceback ending in
+    `No module named 'tensorflow'` after the frameworks had loaded."""
+    import kdist
+
+    with pytest.raises(UsageError, match="kdist.TFRecords reads with tf.data, and TensorFlow "
+                                         "is not installed: pip install tensorflow-cpu"):
+        sources.prepare(base.Inputs(kdist.TFRecords(str(tmp_path)), None))

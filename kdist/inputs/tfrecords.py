@@ -30,6 +30,7 @@ held in memory whole.
 """
 
 import dataclasses
+import importlib.util
 import json
 import os
 from collections.abc import Callable
@@ -128,6 +129,10 @@ class TFRecordSource(batching.CheckedSource):
 
     def __init__(self, records, what):
         self.records, self.what = records, what
+        if importlib.util.find_spec("tensorflow") is None:
+            raise UsageError(f"{what}: kdist.TFRecords reads with tf.data, and TensorFlow is "
+                            "not installed: pip install tensorflow-cpu (any backend), or "
+                            "load the data as arrays")
         path = os.path.join(records.folder, INDEX)
         try:
             with open(path) as f:
