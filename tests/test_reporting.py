@@ -126,3 +126,10 @@ def test_the_banner_says_a_stream_of_unknown_length_trains_at_most_the_steps_ask
     assert reporting._steps_per_epoch(16, None) == "16 steps per epoch"
     assert reporting._steps_per_epoch(None, 5) == "at most 5 steps per epoch"
     assert reporting._steps_per_epoch(None, None) == "as many steps per epoch as the data holds"
+
+
+def test_a_value_below_a_thousandth_is_written_as_keras_progress_bar_writes_it():
+    """A loss of 3.2e-06 read "Loss: 0.0000" (Keras' Progbar: 3.2000e-06)."""
+    line = reporting.format_results({"loss": 3.2e-6, "mae": 0.5, "accuracy": 0.5, "auc": 0.0})
+    assert line == "Loss: 3.2000e-06, mae: 0.5000, Accuracy: 50.00%, auc: 0.0000"
+    assert reporting.format_results({"test_loss": -2e-4}, "test_") == "Test Loss: -2.0000e-04"

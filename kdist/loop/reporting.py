@@ -84,7 +84,8 @@ def format_results(results, prefix=""):
     """"Loss: 0.3012, Accuracy: 89.10%, auc: 0.9712" for {"loss": ..., ...}.
 
     Accuracy-type metrics (their name ends in "accuracy") read as percent, as
-    in the tutorial; the others keep their Keras name and value. `prefix`
+    in the tutorial; the others keep their Keras name and value, written as
+    Keras' progress bar writes it (`number`). `prefix`
     ("test_") selects and strips the keys of one split; its name leads
     each label.
     """
@@ -95,13 +96,19 @@ def format_results(results, prefix=""):
             continue
         name = key[len(prefix):]
         if name == "loss":
-            parts.append(f"{lead}Loss: {value:.4f}")
+            parts.append(f"{lead}Loss: {number(value)}")
         elif name.endswith("accuracy"):
             label = name.replace("_", " ").capitalize()
             parts.append(f"{lead}{label}: {100 * value:.2f}%")
         else:
-            parts.append(f"{lead}{name}: {value:.4f}")
+            parts.append(f"{lead}{name}: {number(value)}")
     return ", ".join(parts)
+
+
+def number(value):
+    """`value` to 4 decimals, or to 4 significant digits where it is smaller than
+    0.001 in size but not 0 (Keras' Progbar: a loss of 3.2e-06 is not 0.0000)."""
+    return f"{value:.4f}" if abs(value) > 1e-3 or value == 0 else f"{value:.4e}"
 
 
 class ProgressBar:
