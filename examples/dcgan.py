@@ -89,18 +89,17 @@ def save_grid(model, path, rows=4, seed=0):
 def main(argv=None):
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--grid", metavar="PNG", help="save generated images there")
-    known, rest = extra.parse_known_args(argv)
 
     def after(args):
-        if known.grid:
+        if args.grid:
             model = GAN()
             model.d_optimizer.build(model.discriminator.trainable_variables)
             model.g_optimizer.build(model.generator.trainable_variables)
             model.built = True
             model.load_weights(kdist.latest_checkpoint(args.checkpoint_dir))
-            save_grid(model, known.grid)
+            save_grid(model, args.grid)
 
-    return train.main(rest, model_fn=model, description=__doc__, after=after)
+    return train.main(argv, model_fn=model, description=__doc__, after=after, flags=extra)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ for every backend.
     python examples/distillation.py --epochs 5 --replicas 2   # Fashion-MNIST
 
 It takes kdist-train's flags (`--help`). Without `--teacher CKPT` it first trains
-the tutorial CNN as the teacher, with the same flags, into CHECKPOINT_DIR/teacher.
+the tutorial CNN as the teacher, with the same flags, into CHECKPOINT_DIR/teacher
+(its TensorBoard logs into DIR/teacher, its metrics into NAME-teacher.jsonl).
 """
 
 import argparse
@@ -78,20 +79,37 @@ def model(args=None, teacher=None):
     return Distiller(cnn, getattr(args, "learning_rate", None) or 1e-3)
 
 
+def teacher_flags(rest):
+    """kdist-train's flags for the teacher's run: the student's, with its checkpoints,
+    TensorBoard logs and metrics file beside the student's (a `teacher` folder,
+    `NAME-teacher.jsonl`), not in them."""
+    flags = train.train_parser().parse_args(rest)
+    folder = os.path.join(flags.checkpoint_dir, "teacher")
+    own = ["--checkpoint-dir", folder]
+    if flags.tensorboard:
+        own += ["--tensorboard", os.path.join(flags.tensorboard, "teacher")]
+    if flags.metrics_file:
+        stem, suffix = os.path.splitext(flags.metrics_file)
+        own += ["--metrics-file", f"{stem}-teacher{suffix}"]
+    return rest + own, folder
+
+
 def main(argv=None):
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--teacher", metavar="CKPT",
-                       help="a kdist checkpoint of the tutorial CNN (default: train one first)")
+                       help="a kdist checkpoint of the tutorial CNN (default: train one first, "
+                            "with these flags, into CHECKPOINT_DIR/teacher)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     known, rest = extra.parse_known_args(argv)
     teacher = known.teacher
-    if teacher is None:
-        flags = train.train_parser().parse_args(rest)
-        folder = os.path.join(flags.checkpoint_dir, "teacher")
-        status = train.main(rest + ["--checkpoint-dir", folder])
+    if teacher is None and not {"-h", "--help"} & set(argv):
+        flags, folder = teacher_flags(rest)
+        status = train.main(flags)
         if status:
             return status
         teacher = kdist.latest_checkpoint(folder)
-    return train.main(rest, model_fn=lambda args: model(args, teacher), description=__doc__)
+    return train.main(argv, model_fn=lambda args: model(args, teacher), description=__doc__,
+                      flags=extra)
 
 
 if __name__ == "__main__":

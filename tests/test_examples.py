@@ -17,6 +17,7 @@ from example_steps import (
     config,
     dataset,
     fixed,
+    load,
     train,
     weights,
 )
@@ -341,3 +342,17 @@ def test_a_model_file_whose_function_builds_no_compiled_model_is_one_line(tmp_pa
                         "--epochs", "1", "--batch-size-per-replica", "8", "--model", str(path)])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize("name, flag", [("dcgan", "--grid PNG"),
+                                        ("distillation", "--teacher CKPT")])
+def test_an_examples_help_shows_its_own_flags_and_its_commands_as_written(name, flag, capsys):
+    """`distillation.py --help` printed kdist-train's help (the tutorial CNN's text,
+    no --teacher); `dcgan.py --help` had no --grid; argparse ran the docstring's
+    command lines together."""
+    with pytest.raises(SystemExit) as exit_:
+        load(name).main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert flag in text and "--checkpoint-dir" in text and "tutorial CNN on Fashion" not in text
+    assert f"\n    KERAS_BACKEND=jax python examples/{name}.py --synthetic 1200" in text

@@ -17,9 +17,14 @@ from kdist.errors import UsageError
 from kdist.workers.processes import follow_launcher
 
 
-def train_parser(description=None, model_flag=True):
+def train_parser(description=None, model_flag=True, flags=None):
+    """kdist-train's flags; a script's `description` (its docstring, shown as
+    written) and its own `flags` (an `argparse.ArgumentParser(add_help=False)`)
+    replace the command's description and join its flags."""
     parser = argparse.ArgumentParser(
-        prog=command_name("python -m kdist"),
+        prog=command_name("python -m kdist"), parents=[flags] if flags else [],
+        formatter_class=(argparse.RawDescriptionHelpFormatter if description
+                         else argparse.HelpFormatter),
         description=description or (
             "Train the tutorial CNN on Fashion-MNIST, data-parallel, on the backend "
             "chosen by KERAS_BACKEND (tensorflow, jax or torch); then restore the latest "
@@ -44,13 +49,14 @@ def train_parser(description=None, model_flag=True):
 
 
 @common.quiet_signals("stopped while starting; nothing was trained")
-def main(argv=None, model_fn=None, description=None, after=None):
+def main(argv=None, model_fn=None, description=None, after=None, flags=None):
     """`kdist-train`; with `model_fn(args) -> keras.Model`, a script's own model
     (its own `train_step`, its own optimizers) takes the tutorial CNN's place,
     with the same flags (`--optimizer` and `--learning-rate` are then the
-    script's to read from `args`). `after(args)` runs once training has
-    ended well. Returns the exit status."""
-    parser = (train_parser(description, model_flag=False) if model_fn else train_parser())
+    script's to read from `args`) and its own `flags` (`train_parser`).
+    `after(args)` runs once training has ended well. Returns the exit status."""
+    parser = (train_parser(description, model_flag=False, flags=flags) if model_fn
+              else train_parser(flags=flags))
     for action in parser._actions if model_fn else ():  # The script's model reads these.
         if action.dest in ("optimizer", "learning_rate"):
             action.help = ("for the script's model, which reads it from args if at all "
