@@ -35,7 +35,7 @@ def check_start(run, sample, latest):
                  [config.checkpoint_every, config.checkpoint_every_steps,
                   config.checkpoint_every_minutes]),
              "models (checksums of their layers, compiled loss and optimizers)":
-                 model_digest(run.model, run.step.optimizers),
+                 model_digest(run.step),
              # The step in the checkpoint's name (`ckpt-00000024.weights.h5`): its
              # metadata is checked only as it is restored, after this.
              "resume steps": None if latest is None else int(
@@ -97,8 +97,9 @@ def check_replicas_equal(engine, epoch, variables):
                         f"{why}; this epoch's checkpoint is not written")
 
 
-def model_digest(model, optimizers):
-    """A number for what the workers' models must share: each layer's class, config
+def model_digest(program):
+    """A number for what the workers' models must share (a built `Program`'s model,
+    layers and optimizers): each layer's class, config
     (its units, activation, dtype policy; not its name) and weight shapes, the
     compiled loss, loss weights and metrics, and each optimizer's config (its
     learning rate). A config Keras cannot give counts as its class alone."""
@@ -108,10 +109,11 @@ def model_digest(model, optimizers):
         except Exception:  # noqa: BLE001 - a layer of the user's without a config.
             return type(thing).__qualname__
 
+    model = program.model
     layers = [(type(layer).__qualname__, config(layer), [list(w.shape) for w in layer.weights])
-              for layer in model._flatten_layers(include_self=False)]
+              for layer in program.layers if layer is not model]
     compiled = config(model, "get_compile_config") if model.compiled else None
-    return digest([layers, compiled, [config(o) for o in optimizers]])
+    return digest([layers, compiled, [config(o) for o in program.optimizers]])
 
 
 def _nameless(value):
