@@ -290,3 +290,59 @@ def test_a_worker_that_dies_mid_run_ends_the_others_in_one_line(tmp_path):
     assert lines[0].endswith("another worker stopped or its machine went away (see its "
                              "output); the same command on every worker resumes from the "
                              f"newest checkpoint in {folder}"), error
+
+
+LEAVING_SCRIPT = """
+import os, sys
+import kdist
+kdist.prepare_environment()
+import keras
+import numpy as np
+kdist.connect()
+x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+def model():
+    m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    m.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return m
+def train(folder):
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=8, checkpoint_dir=folder)
+    try:
+        kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, :1], x, x[:, :1], "toy"), model)
+    except kdist.KdistError as error:
+        sys.exit(f"error: {error}")
+if sys.argv[2] == "after":
+    train(sys.argv[1] + "-first")
+if kdist.connect().worker_index == 1:
+    if sys.argv[2] == "before":
+        sys.exit(0)
+    raise FileNotFoundError("train.npy is on worker 0's machine only")
+train(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_worker_that_leaves_between_runs_ends_the_others_in_one_line(tmp_path, when):
+    """Worker 1 leaves after joining, before its first run (`sys.exit(0)`) or after
+    a run both workers ended, on an error. On JAX, worker 0 waited in the model's
+    first collective and worker 1 at JAX's shutdown barrier: both aborted with C++
+    stack traces after 323 s. Worker 0 now ends within seconds, in one line."""
+    script, port = tmp_path / "leave.py", two_free_ports()
+    script.write_text(LEAVING_SCRIPT)
+    processes = [subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "ckpt"), when], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, env=dict(environment(tmp_path), **kubernetes(
+            index, port))) for index in (0, 1)]
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(timeout=30)
+    assert processes[0].returncode == 1, errors[0]
+    lines = [line for line in errors[0].splitlines() if line.startswith("error: ")]
+    assert lines == [errors[0].strip().splitlines()[-1]] and "Traceback" not in errors[0]
+    assert lines[0].startswith("error: lost the other workers mid-run ("), errors[0]
+    if when == "after":
+        assert errors[1].strip().endswith("FileNotFoundError: train.npy is on worker 0's "
+                                          "machine only"), errors[1]

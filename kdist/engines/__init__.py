@@ -65,6 +65,14 @@ def after_failure() -> None:
         getattr(_backend_module(), "after_failure", lambda: None)()
 
 
+def after_agreed_end() -> None:
+    """Called where this worker's run ended where every worker's did (its last
+    step or a coordinated stop): the engine module's `after_agreed_end`, where
+    it has one, lets the process wait for the others at its exit again."""
+    if connected():
+        getattr(_backend_module(), "after_agreed_end", lambda: None)()
+
+
 _CAUSE = re.compile(r"connection (reset|closed|refused)|socket|heartbeat|timed? ?out|peer",
                     re.IGNORECASE)
 

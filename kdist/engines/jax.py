@@ -36,6 +36,7 @@ def connect(spec, replicas=None):
     with kept.global_state_kept():
         keras.distribution.initialize(",".join(spec.addresses), spec.num_workers,
                                       spec.worker_index)
+    _bound_exit()  # Until a run ends together, a worker that leaves may strand the others.
 
 
 def served_address(spec):
@@ -60,7 +61,8 @@ def failed_collective(error):
         or (isinstance(error, ValueError) and "Gloo" in text and "failed" in text))
 
 
-# Seconds JAX's shutdown may take at the exit of a worker whose run failed (`after_failure`).
+# Seconds JAX's shutdown may take at the exit of a worker that may leave the others
+# waiting (`after_failure`).
 EXIT_GRACE_S = 10
 
 
@@ -70,17 +72,42 @@ def after_failure():
     At exit JAX's distributed shutdown waits at a barrier for every worker
     (300 s at most), and a worker still waiting in a collective for this one
     (the all-gather of a variable while its model is built, say) never reaches
-    it, so both wait. An exit hook, run before JAX's, gives the shutdown
-    `EXIT_GRACE_S` seconds, then ends the process with status 1: its
-    connections close, the other workers' collectives fail at once
-    (`WorkerLost`), and `kdist-launch` sees a worker exit.
+    it, so both wait, then abort with C++ stack traces. An exit hook, run
+    before JAX's, gives the shutdown `EXIT_GRACE_S` seconds, then ends the
+    process with status 1: its connections close, the other workers'
+    collectives fail at once (`WorkerLost`), and `kdist-launch` sees a worker
+    exit. `connect` sets the same bound: a worker that leaves after joining
+    and before its run ends with the others' (a script's error, a missing
+    file on one machine, `sys.exit`) strands them alike.
     """
+    _bound_exit()
+
+
+def after_agreed_end():
+    """Called where this worker's run ended where every worker's did (its last
+    step or a coordinated stop): at exit this process then waits for the
+    others as JAX does, the chief may still be at work, and a worker gone
+    from the runtime would end it at JAX's heartbeat timeout (100 s). An
+    uncaught error that ends the script afterwards bounds the exit again
+    (another run of the others may wait for this worker)."""
+    atexit.unregister(_end_after_grace)
+    atexit.unregister(_end_if_uncaught)
+    atexit.register(_end_if_uncaught)
+
+
+def _bound_exit():
+    atexit.unregister(_end_if_uncaught)
     atexit.unregister(_end_after_grace)  # One hook, however many runs failed.
     atexit.register(_end_after_grace)
 
 
+def _end_if_uncaught():
+    if getattr(sys, "last_value", None) is not None:  # Set where Python printed a traceback.
+        _end_after_grace()
+
+
 def _end_after_grace():
-    def end():  # Quietly: the run's error is already the last line.
+    def end():  # Quietly: the run's error or the script's traceback is already printed.
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()

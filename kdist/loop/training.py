@@ -196,10 +196,12 @@ def _train(run, log, stop, callbacks):
 def _workers_lost(config):
     """Turns a collective with the other workers that failed (`engines.lost_peer`)
     into one `WorkerLost` line; any failure but a coordinated stop bounds this
-    worker's wait for the others at its exit (`engines.after_failure`)."""
+    worker's wait for the others at its exit (`engines.after_failure`), an
+    end every worker shares unbounds it (`engines.after_agreed_end`)."""
     try:
         yield
     except Interrupted:
+        engines.after_agreed_end()
         raise
     except BaseException as error:
         engines.after_failure()
@@ -210,6 +212,7 @@ def _workers_lost(config):
             f"{LOST_WORKERS} ({cause}): another worker stopped or its "
             "machine went away (see its output); the same command on every worker resumes "
             f"from the newest checkpoint in {config.checkpoint_dir}") from error
+    engines.after_agreed_end()
 
 
 def _to_tensorboard(run, position, banner):
