@@ -148,14 +148,19 @@ _DEFAULT_SHOWWARNING = warnings.showwarning
 
 def start(args, replicas=None):
     """Sets devices, log levels and warning lines, then imports the frameworks (quietly)."""
-    warnings.showwarning = _show_warning
+    warning_lines()
     startup.prepare_environment(replicas, args.verbose)
     startup.load_frameworks(quiet=not args.verbose)
 
 
+def warning_lines():
+    """Shows kdist's checkpoint warnings as one `warning: ...` line each from now on."""
+    warnings.showwarning = _show_warning
+
+
 def check_paths(args):
     """Checks the output files and the data folder before the frameworks load."""
-    checks.check_metrics_file(args.metrics_file)
+    checks.check_metrics_file(getattr(args, "metrics_file", None))
     checks.check_tensorboard(getattr(args, "tensorboard", None))
     if args.data_dir is not None and not args.synthetic:
         from kdist.datasets import fashion_mnist
