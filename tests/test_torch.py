@@ -4,6 +4,7 @@ Every multi-replica case here runs real processes joined by torch.distributed
 (gloo); each process feeds its shard of every global batch.
 """
 
+import dataclasses
 import os
 import pickle
 import signal
@@ -431,3 +432,31 @@ def test_each_process_leaves_its_group_before_the_interpreter_is_torn_down():
     134) as its worker thread frees the last collective's tensors without the GIL."""
     for output in two_processes(LEAVES_AT_EXIT, f"127.0.0.1:{free_ports(1)[0]}"):
         assert output.splitlines()[-2:] == ["joined: True", "group at exit: False"], output
+
+
+def linear_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    return model
+
+
+def test_a_checkpoint_skipped_on_resume_is_told_once(tmp_path, capfd):
+    """Every replica process read the checkpoint folder and warned: the line came
+    once per process, at times interleaved with itself."""
+    from test_checkpoints import damage_weights
+
+    import kdist
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    data = kdist.Dataset(x, x[:, :1], x, x[:, :1], "toy")
+    folder = str(tmp_path / "ckpt")
+    config = kdist.TrainConfig(epochs=2, batch_size_per_replica=8, replicas=2,
+                               checkpoint_dir=folder, progress=False)
+    kdist.train_and_evaluate(config, data, linear_model, log=lambda line: None)
+    newest = os.path.join(folder, "ckpt-00000008.weights.h5")
+    damage_weights(newest)
+    capfd.readouterr()
+    kdist.train_and_evaluate(dataclasses.replace(config, epochs=3), data, linear_model,
+                             log=lambda line: None)
+    warning = f"skipping checkpoint {newest}: its weights do not match its checksum"
+    assert capfd.readouterr().err.count(warning) == 1

@@ -45,6 +45,10 @@ def replica_main():
                 warnings.showwarning = pickle.load(f)
                 settings = pickle.load(f)
                 fn, kwargs = pickle.load(f)
+            if not chief:  # Every replica reads one checkpoint folder: the chief tells.
+                from kdist.checkpoints import CheckpointWarning
+
+                warnings.simplefilter("ignore", CheckpointWarning)
             import keras  # And the backend.
 
             from kdist import engines
