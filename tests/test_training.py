@@ -192,15 +192,22 @@ def test_a_stop_object_of_the_caller_is_named_as_what_stopped_the_run(tmp_path, 
     assert stopped.value.signal_name is None and stopped.value.exit_status == 143
 
 
-def test_a_mid_epoch_resume_keeps_the_learning_rate_callbacks_set_at_the_epochs_start(
+class HalveABiasAtEpochBegin(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        bias = self.model.trainable_variables[-1]
+        bias.assign(bias * 0.5 + 0.25)
+
+
+def test_a_mid_epoch_resume_keeps_what_callbacks_set_at_the_epochs_start(
         tmp_path, small_dataset):
-    # The checkpoint holds the rate the scheduler set at epoch 2's start; calling
-    # on_epoch_begin again on the resume must not halve it a second time.
+    # The checkpoint holds the rate the scheduler set and the bias the other callback
+    # changed at epoch 2's start; calling on_epoch_begin again on the resume must not
+    # change them a second time (the bias did: weights 0.0055-0.016 apart).
     def train(name, stop=None):
         halving = keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.5)
         return training.train_and_evaluate(
             config(tmp_path, name, epochs=2, steps_per_execution=1), small_dataset,
-            log=lambda line: None, stop=stop, callbacks=[halving])
+            log=lambda line: None, stop=stop, callbacks=[halving, HalveABiasAtEpochBegin()])
 
     straight = train("straight")
     with pytest.raises(training.Interrupted, match="epoch 2, step"):

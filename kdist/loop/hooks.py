@@ -115,8 +115,9 @@ class Hooks:
 
     def epoch_begin(self, epoch: int, keep: Sequence[Any] = ()) -> None:
         """`epoch` counted from 0, as Keras counts it. The variables in `keep` (the
-        learning rates, on a resume in the middle of the epoch, whose checkpoint
-        holds what the callbacks set at its beginning) keep their values."""
+        program's, on a resume in the middle of the epoch: its checkpoint holds
+        what the callbacks set at its beginning, a rate, a weight, an optimizer's
+        slots) keep their values."""
         self.totals = None  # `fit` resets the metrics before.
         self._call("on_epoch_begin", epoch, keep=keep)
 

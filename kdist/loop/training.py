@@ -28,7 +28,7 @@ from kdist.loop.result import TrainingResult, epoch_logs, keras_history
 from kdist.loop.run import Run
 from kdist.models.cnn import create_model
 from kdist.runtime import kept
-from kdist.step.optimizer import finalize_weights, learning_rates
+from kdist.step.optimizer import finalize_weights
 from kdist.workers import interrupt
 from kdist.workers.processes import REPLICA_PROCESSES_VARIABLE
 
@@ -147,8 +147,8 @@ def _train(run, log, stop, callbacks):
                         run.step.metric_state, keras_history(position.history))
     calls.train_begin()
     while position.epoch < config.epochs and not position.stopped:
-        calls.epoch_begin(position.epoch, learning_rates(run.step.optimizers)
-                          if position.step_in_epoch else ())
+        # Resumed mid-epoch, the checkpoint holds what the callbacks set at the start.
+        calls.epoch_begin(position.epoch, run.step.variables if position.step_in_epoch else ())
         position, record = run.train_epoch(position, stop, calls, log)
         if record is not None:  # The epoch's steps are done and it is evaluated.
             log(reporting.format_epoch(record, config.epochs, run.dynamic_loss_scale))
