@@ -768,7 +768,7 @@ class Tracked(keras.Model):
     repeats the key (`fit` keeps the top-level one); `note` adds a log. An `idle`
     train step leaves the tracker alone and returns the loss under its name."""
 
-    def __init__(self, name="total_loss", nested=True, note=None, idle=False):
+    def __init__(self, name="total_loss", nested=True, note=(), idle=False):
         super().__init__()
         self.dense = keras.layers.Dense(1)
         self.dense.build((None, 4))
@@ -794,7 +794,7 @@ class Tracked(keras.Model):
         logs = {"loss": self.tracker.result()}
         if self.nested:
             logs["extra"] = {"loss": 2 * loss}
-        return logs if self.note is None else {**logs, "note": self.note}
+        return logs if self.note == () else {**logs, "note": self.note}
 
     def test_step(self, data):
         self.tracker.update_state(self.loss_of(*data))
@@ -835,6 +835,9 @@ def test_a_trackers_result_under_another_key_is_merged_as_the_tracker(tmp_path):
     config = dataclasses.replace(config, checkpoint_dir=str(tmp_path / "note"))
     with pytest.raises(kdist.UsageError, match="returns 'note', a str; return scalars"):
         kdist.train_and_evaluate(config, dataset, model_fn=lambda: Tracked(note="hello"),
+                                 log=lambda line: None)
+    with pytest.raises(kdist.UsageError, match="returns 'note' as None; return scalars"):
+        kdist.train_and_evaluate(config, dataset, model_fn=lambda: Tracked(note=None),
                                  log=lambda line: None)
 
 

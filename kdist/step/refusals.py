@@ -40,11 +40,11 @@ def refuse_non_scalar_result(name, result):
 def refuse_non_scalar_log(phase, name, value):
     """A value the step returns that is neither a scalar nor a metric's result."""
     if value is None or len(ops.shape(value)) != 0:
+        what = "as None" if value is None else f"of shape {tuple(ops.shape(value))}"
         raise UsageError(
-            f"the {phase}_step returns {name!r} of shape "
-            f"{None if value is None else tuple(ops.shape(value))}; return "
-            "scalars (kdist averages them over examples, replicas and "
-            "workers) or the results of the model's metrics")
+            f"the {phase}_step returns {name!r} {what}; return scalars (kdist averages "
+            "them over examples, replicas and workers) or the results of the model's "
+            "metrics")
 
 
 def refuse_framework_calls(phase, calls):
