@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # What type checkers see; at run time `__getattr__` loads eac
     from kdist.datasets.fashion_mnist import load_fashion_mnist as load_fashion_mnist
     from kdist.datasets.fashion_mnist import synthetic_fashion_mnist as synthetic_fashion_mnist
     from kdist.engines.joining import connect as connect
+    from kdist.engines.joining import is_chief as is_chief
     from kdist.errors import CheckpointError as CheckpointError
     from kdist.errors import DataError as DataError
     from kdist.errors import Interrupted as Interrupted
@@ -59,6 +60,7 @@ _LAZY = {
     "stop_on_signals": "kdist.workers.interrupt",
     "prepare_environment": "kdist.runtime.startup",
     "connect": "kdist.engines.joining",  # Several workers: your script joins the others.
+    "is_chief": "kdist.engines.joining",
     # Your own step (`kdist.step.api`); `kdist.random` is a module.
     "value_and_grad": "kdist.step.api",
     "grad": "kdist.step.api",

@@ -460,3 +460,21 @@ def test_a_checkpoint_skipped_on_resume_is_told_once(tmp_path, capfd):
                              log=lambda line: None)
     warning = f"skipping checkpoint {newest}: its weights do not match its checksum"
     assert capfd.readouterr().err.count(warning) == 1
+
+
+def chief_in_a_process(log, stop, folder):
+    """In each process: `kdist.is_chief()`, written to a file named by the process."""
+    import kdist
+
+    with open(os.path.join(folder, f"{os.getpid()}"), "w") as f:
+        f.write(str(kdist.is_chief()))
+
+
+def test_one_replica_process_is_the_chief(tmp_path):
+    """On torch each replica is a process, and `kdist.connect().is_chief` is true in
+    all of worker 0's: a callback that writes had no way to tell."""
+    import kdist
+
+    assert kdist.is_chief()  # Alone.
+    replicas.run(2, chief_in_a_process, dict(folder=str(tmp_path)))
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["False", "True"]

@@ -42,6 +42,11 @@ def connected() -> bool:
     return bool(getattr(_backend_module(), "connected", lambda: False)())
 
 
+def is_chief() -> bool:
+    """Whether this process is the chief (the engine module's `is_chief`; alone, yes)."""
+    return not connected() or bool(_backend_module().is_chief())
+
+
 def lost_peer(error: BaseException) -> str | None:
     """The cause, in one line, where `error` is a collective with the other
     workers that failed mid-run (another worker stopped or its machine went
@@ -57,20 +62,20 @@ def lost_peer(error: BaseException) -> str | None:
     return f"{type(error).__name__}: {line[:160]}"
 
 
-def after_failure() -> None:
-    """Called where this worker's run failed (any error but a coordinated stop):
-    the engine module's `after_failure`, where it has one, bounds how long the
-    process may then wait for the others at its exit (JAX's)."""
+def bound_exit() -> None:
+    """Called where a run starts: the engine module's `bound_exit`, where it has one
+    (JAX's), bounds how long this process, joined to others, may wait for them
+    at its exit, until `unbound_exit`."""
     if connected():
-        getattr(_backend_module(), "after_failure", lambda: None)()
+        getattr(_backend_module(), "bound_exit", lambda: None)()
 
 
-def after_agreed_end() -> None:
+def unbound_exit() -> None:
     """Called where this worker's run ended where every worker's did (its last
-    step or a coordinated stop): the engine module's `after_agreed_end`, where
-    it has one, lets the process wait for the others at its exit again."""
+    step or a coordinated stop): the engine module's `unbound_exit`, where it
+    has one, lets the process wait for the others at its exit again."""
     if connected():
-        getattr(_backend_module(), "after_agreed_end", lambda: None)()
+        getattr(_backend_module(), "unbound_exit", lambda: None)()
 
 
 _CAUSE = re.compile(r"connection (reset|closed|refused)|socket|heartbeat|timed? ?out|peer",

@@ -36,7 +36,7 @@ def connect(spec, replicas=None):
     with kept.global_state_kept():
         keras.distribution.initialize(",".join(spec.addresses), spec.num_workers,
                                       spec.worker_index)
-    _bound_exit()  # Until a run ends together, a worker that leaves may strand the others.
+    bound_exit()  # Until a run ends together, a worker that leaves may strand the others.
 
 
 def served_address(spec):
@@ -47,6 +47,11 @@ def served_address(spec):
 def connected():
     """Whether JAX's distributed runtime has started in this process."""
     return jax_distributed.global_state.client is not None  # As jax.distributed.is_initialized.
+
+
+def is_chief():
+    """Whether this process is the first of JAX's processes (worker 0)."""
+    return jax.process_index() == 0
 
 
 def failed_collective(error):
@@ -62,48 +67,35 @@ def failed_collective(error):
 
 
 # Seconds JAX's shutdown may take at the exit of a worker that may leave the others
-# waiting (`after_failure`).
+# waiting (`bound_exit`).
 EXIT_GRACE_S = 10
 
 
-def after_failure():
-    """Bounds the exit of this worker, whose run failed.
+def bound_exit():
+    """Bounds the exit of this worker, from its joining or a run's start until
+    that run ends where every worker's does (`unbound_exit`).
 
     At exit JAX's distributed shutdown waits at a barrier for every worker
     (300 s at most), and a worker still waiting in a collective for this one
     (the all-gather of a variable while its model is built, say) never reaches
-    it, so both wait, then abort with C++ stack traces. An exit hook, run
-    before JAX's, gives the shutdown `EXIT_GRACE_S` seconds, then ends the
-    process with status 1: its connections close, the other workers'
-    collectives fail at once (`WorkerLost`), and `kdist-launch` sees a worker
-    exit. `connect` sets the same bound: a worker that leaves after joining
-    and before its run ends with the others' (a script's error, a missing
-    file on one machine, `sys.exit`) strands them alike.
+    it, so both wait, then abort with C++ stack traces. A worker that leaves
+    meanwhile (its run failed, its script raised, a file is missing on its
+    machine, `sys.exit`) strands them so. An exit hook, run before JAX's,
+    gives the shutdown `EXIT_GRACE_S` seconds, then ends the process with
+    status 1: its connections close, the other workers' collectives fail at
+    once (`WorkerLost`), and `kdist-launch` sees a worker exit.
     """
-    _bound_exit()
-
-
-def after_agreed_end():
-    """Called where this worker's run ended where every worker's did (its last
-    step or a coordinated stop): at exit this process then waits for the
-    others as JAX does, the chief may still be at work, and a worker gone
-    from the runtime would end it at JAX's heartbeat timeout (100 s). An
-    uncaught error that ends the script afterwards bounds the exit again
-    (another run of the others may wait for this worker)."""
-    atexit.unregister(_end_after_grace)
-    atexit.unregister(_end_if_uncaught)
-    atexit.register(_end_if_uncaught)
-
-
-def _bound_exit():
-    atexit.unregister(_end_if_uncaught)
-    atexit.unregister(_end_after_grace)  # One hook, however many runs failed.
+    atexit.unregister(_end_after_grace)  # One hook, however many runs.
     atexit.register(_end_after_grace)
 
 
-def _end_if_uncaught():
-    if getattr(sys, "last_value", None) is not None:  # Set where Python printed a traceback.
-        _end_after_grace()
+def unbound_exit():
+    """Called where this worker's run ended where every worker's did (its last
+    step or a coordinated stop): at exit this process then waits for the
+    others as JAX does. The chief may still be at work after the run, and a
+    worker gone from JAX's runtime would end it at the heartbeat timeout
+    (100 s)."""
+    atexit.unregister(_end_after_grace)
 
 
 def _end_after_grace():

@@ -53,6 +53,14 @@ def connect(*, peers: str | None = None, workers: int | None = None,
     return spec
 
 
+def is_chief() -> bool:
+    """Whether this process is the chief, the one that prints, writes the metrics
+    file, TensorBoard's logs and the checkpoints: worker 0, and on torch, where
+    each replica is a process, worker 0's first. A callback of your own that
+    writes (or sends) checks it; `kdist.connect()`'s `is_chief` is the worker's."""
+    return engines.is_chief()
+
+
 # What the frameworks raise where a process joins after it ran: TensorFlow's strategy
 # ("Collective ops must be configured at program startup") and thread pools (sized
 # for the processes sharing a machine), JAX's "jax.distributed.initialize() must be

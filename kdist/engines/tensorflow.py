@@ -12,6 +12,7 @@ from kdist.engines import contract, tf_cluster, tf_function, tf_optimizer, tf_st
 from kdist.engines.tf_cluster import connect as connect  # The engine module API: joining.
 from kdist.engines.tf_cluster import connected as connected
 from kdist.engines.tf_cluster import failed_collective as failed_collective
+from kdist.engines.tf_cluster import is_chief as is_chief
 from kdist.engines.tf_cluster import served_address as served_address
 
 

@@ -92,6 +92,11 @@ def connected():
     return _connected is not None
 
 
+def is_chief():
+    """Whether this process is worker 0 of those `connect` joined."""
+    return _connected is None or _connected[1].is_chief
+
+
 def failed_collective(error):
     """Whether `error` is a collective across the workers that failed: the
     errors TensorFlow's collectives raise when a peer goes away (an

@@ -119,6 +119,11 @@ def connected():
     return dist.is_available() and dist.is_initialized()
 
 
+def is_chief():
+    """Whether this process is rank 0 of the process group (worker 0's first replica)."""
+    return dist.get_rank() == 0
+
+
 class Engine(contract.Engine):
     """Runs kdist's steps eagerly, one replica per process.
 

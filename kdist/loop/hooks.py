@@ -40,7 +40,8 @@ from kdist.errors import UsageError
 from kdist.loop.tensorboard import RunToTensorBoard
 
 WRITES_FILES = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
-                keras.callbacks.ModelCheckpoint, RunToTensorBoard)
+                keras.callbacks.ModelCheckpoint, keras.callbacks.RemoteMonitor,
+                RunToTensorBoard)
 
 
 def check_callbacks(callbacks: Sequence[keras.callbacks.Callback]) -> None:
@@ -68,8 +69,9 @@ class Hooks:
         trained before a resume."""
         kept = [c for c in callbacks if engine.is_chief or not isinstance(c, WRITES_FILES)]
         self.engine, self.model, self.metric_state = engine, model, metric_state
-        # The same on every worker: `poll_stop` is a collective.
-        self.active = bool(callbacks)
+        # The same on every worker, which may hold no callbacks (the chief's alone, a
+        # habit of Horovod's): `poll_stop` and, on JAX, `_call`'s assignments are collectives.
+        self.active = engine.any_worker(bool(callbacks))
         self._logs = _EpochLogs()  # Last but Keras' History: it sees what the others added.
         self.callbacks = keras.callbacks.CallbackList(
             [*kept, self._logs], add_history=True, model=model, verbose=0, epochs=epochs,

@@ -83,6 +83,7 @@ def train_and_evaluate(
     `train_loss`, `test_loss`, and train_/test_ each metric) and `restored`
     (the evaluation of the latest checkpoint in a fresh, undistributed model).
     """
+    engines.bound_exit()  # Failing before this run ends with the others' strands them.
     checks.check_config(config)
     hooks.check_callbacks(callbacks)
     joining.join_from_environment()  # Several workers: a script under a cluster's launcher.
@@ -195,16 +196,15 @@ def _train(run, log, stop, callbacks):
 @contextlib.contextmanager
 def _workers_lost(config):
     """Turns a collective with the other workers that failed (`engines.lost_peer`)
-    into one `WorkerLost` line; any failure but a coordinated stop bounds this
-    worker's wait for the others at its exit (`engines.after_failure`), an
-    end every worker shares unbounds it (`engines.after_agreed_end`)."""
+    into one `WorkerLost` line; an end every worker shares (the run's or a
+    coordinated stop) unbounds this worker's wait for the others at its exit
+    (`engines.unbound_exit`; `train_and_evaluate` bounds it)."""
     try:
         yield
     except Interrupted:
-        engines.after_agreed_end()
+        engines.unbound_exit()
         raise
     except BaseException as error:
-        engines.after_failure()
         cause = engines.lost_peer(error)
         if cause is None:
             raise
@@ -212,7 +212,7 @@ def _workers_lost(config):
             f"{LOST_WORKERS} ({cause}): another worker stopped or its "
             "machine went away (see its output); the same command on every worker resumes "
             f"from the newest checkpoint in {config.checkpoint_dir}") from error
-    engines.after_agreed_end()
+    engines.unbound_exit()
 
 
 def _to_tensorboard(run, position, banner):
