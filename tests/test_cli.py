@@ -146,6 +146,12 @@ def test_sigterm_mid_training_checkpoints_and_resume_matches(tmp_path):
     assert f"Test Accuracy: {100 * restored['test_accuracy']:.2f}%" in evaluated.stdout
 
 
+def test_evaluate_without_checkpoint_is_a_clear_error(tmp_path):
+    result = script(EVALUATE, "--synthetic", "--checkpoint-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert result.stderr.startswith("evaluate.py: error: no checkpoint in ")
+
+
 EVALUATE_BEFORE_FRAMEWORKS = """
 import sys
 from kdist.cli.evaluate import main
@@ -158,7 +164,6 @@ finally:  # Usage errors exit in `main`.
 
 @pytest.mark.any_backend
 @pytest.mark.parametrize("args, status, line", [
-    (["--synthetic"], 1, "no checkpoint in {tmp}; train first or pass --checkpoint-dir"),
     (["--synthetic", "--model", "nofile.py"], 2, "--model nofile.py: no such file"),
     (["--data-dir", "{tmp}/nodir"], 2, "--data-dir {tmp}/nodir is not a folder; point it at "
                                        "a folder with the four Fashion-MNIST .gz files"),
@@ -167,7 +172,8 @@ finally:  # Usage errors exit in `main`.
 def test_evaluate_refuses_wrong_paths_in_one_line_before_the_frameworks_load(
         tmp_path, args, status, line):
     """kdist-evaluate read its paths after loading the frameworks (6-24 s), and called
-    a checkpoint folder that is a file one without checkpoints."""
+    a checkpoint folder that is a file one without checkpoints. (A folder without
+    checkpoints is told after the model file has run: test_examples.py.)"""
     (tmp_path / "afile").write_text("")
     args = [a.format(tmp=tmp_path) for a in args]
     if "--checkpoint-dir" not in args:

@@ -28,13 +28,18 @@ def main(argv=None):
 
 def _evaluate(args):
     # The paths first: a wrong one is one line before the frameworks load (seconds).
-    common.warning_lines()
     if args.model:
         common.check_model_file(args.model)
     common.check_paths(args)
-    path = _newest_checkpoint(args.checkpoint_dir)
+    folder = os.path.abspath(args.checkpoint_dir)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise errors.UsageError(f"--checkpoint-dir {folder} is a file, not a folder")
     common.start(args)
     model_fn = common.model_function(args.model) if args.model else kdist.create_model
+    path = kdist.latest_checkpoint(folder)  # After the model file's own mistakes.
+    if path is None:
+        raise errors.CheckpointError(f"no checkpoint in {folder}; train first or pass "
+                                     "--checkpoint-dir")
     result = kdist.evaluate_checkpoint(path, common.load_data(args), model_fn=model_fn,
                                        precision=args.precision, seed=args.seed)
     from kdist.loop import reporting  # Loads Keras: only after common.start.
@@ -42,13 +47,3 @@ def _evaluate(args):
     print(f"{path}: {reporting.format_results(result, 'test_')}")
     return 0
 
-
-def _newest_checkpoint(folder):
-    where = os.path.abspath(folder)
-    if os.path.exists(where) and not os.path.isdir(where):
-        raise errors.UsageError(f"--checkpoint-dir {where} is a file, not a folder")
-    path = kdist.latest_checkpoint(folder)
-    if path is None:
-        raise errors.CheckpointError(f"no checkpoint in {where}; train first or pass "
-                                     "--checkpoint-dir")
-    return path
