@@ -148,14 +148,9 @@ _DEFAULT_SHOWWARNING = warnings.showwarning
 
 def start(args, replicas=None):
     """Sets devices, log levels and warning lines, then imports the frameworks (quietly)."""
-    warning_lines()
+    warnings.showwarning = _show_warning
     startup.prepare_environment(replicas, args.verbose)
     startup.load_frameworks(quiet=not args.verbose)
-
-
-def warning_lines():
-    """Shows kdist's checkpoint warnings as one `warning: ...` line each from now on."""
-    warnings.showwarning = _show_warning
 
 
 def check_paths(args):

@@ -46,4 +46,3 @@ def _evaluate(args):
 
     print(f"{path}: {reporting.format_results(result, 'test_')}")
     return 0
-
