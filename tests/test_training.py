@@ -219,6 +219,22 @@ def test_a_mid_epoch_resume_keeps_what_callbacks_set_at_the_epochs_start(
     assert worst <= 1e-6, f"the resumed run ends {worst} from the straight one"
 
 
+def test_an_interrupted_run_leaves_its_tensorboard_curves_on_disk(tmp_path, small_dataset):
+    # The event files were closed only at the process's exit: when `Interrupted`
+    # reached the caller, the interrupted epoch's batch curves were not on disk.
+    from test_callbacks import tensorboard_events
+
+    cfg = config(tmp_path, "run", epochs=2, steps_per_execution=1,
+                 tensorboard=str(tmp_path / "tb"))
+    with pytest.raises(training.Interrupted, match="epoch 2, step") as stopped:
+        training.train_and_evaluate(cfg, small_dataset, log=lambda line: None,
+                                    stop=StopAfter(9))
+    step = int(str(stopped.value).split("epoch 2, step ")[1].split(";")[0])
+    train = tensorboard_events(tmp_path / "tb" / "train")
+    assert [s for s, _ in train["batch_loss"]] == list(range(1, 6 + step + 1))
+    assert [s for s, _ in train["epoch_loss"]] == [0]
+
+
 class HalveAtEpochEnd(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         rate = self.model.optimizer.learning_rate

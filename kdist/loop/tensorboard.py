@@ -149,5 +149,11 @@ class RunToTensorBoard(keras.callbacks.Callback):
         self.writer.flush()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Writes out and closes the event files; the loop calls it on every way
+        out of training (an error, `Interrupted`), where `on_train_end` is not called."""
         if self.writer is not None:
             self.writer.close()
+            self.writer = None

@@ -147,6 +147,37 @@ def _train(run, log, stop, callbacks):
     calls = hooks.Hooks([*callbacks, *own], run.model, run.engine, config.epochs, run.steps,
                         run.step.metric_state, keras_history(position.history))
     calls.train_begin()
+    try:
+        position = _epochs(run, log, stop, calls, metrics, position)
+    finally:  # An error or `Interrupted` too: the curves so far are on disk.
+        for callback in own:
+            callback.close()
+    run.report_writes(log, wait=True)
+    run.engine.sync_to_model()
+    finalize_weights(run.model)  # After the last checkpoint, which keeps the weights.
+    run.engine.sync_from_model()
+    calls.train_end(epoch_logs(position.history[-1], extra=False) if position.history else {})
+    run.engine.sync_to_model()
+    result = TrainingResult(
+        None, keras_history(position.history), [r.as_dict() for r in position.history],
+        None, position.stopped, weights=[np.asarray(w) for w in run.model.get_weights()])
+    if not chief or not run.step.evaluates:  # No test step, or the chief's checkpoint
+        return result  # may not be visible here yet.
+    latest = run.manager.latest()
+    model, restored = restore_and_evaluate(
+        latest[0], run.dataset, run.model_fn, run.loss_fn, run.compute_loss, run.global_batch,
+        config.steps_per_execution, precision=config.precision, seed=config.seed,
+        names=run.names, optimizer_fn=run.optimizer_fn, learning_rate=config.learning_rate)
+    log(f"Restored {latest[0]} without distribution: "
+        f"{reporting.format_results(restored, 'test_')}")
+    metrics.restored(restored)
+    return dataclasses.replace(result, restored=restored, model=model)  # Its weights next.
+
+
+def _epochs(run, log, stop, calls, metrics, position):
+    """The epochs from `position` on, each checkpointed and reported; returns the
+    position after them. Raises `Interrupted` after a stop's checkpoint."""
+    config = run.config
     while position.epoch < config.epochs and not position.stopped:
         # Resumed mid-epoch, the checkpoint holds what the callbacks set at the start.
         calls.epoch_begin(position.epoch, run.step.variables if position.step_in_epoch else ())
@@ -171,26 +202,7 @@ def _train(run, log, stop, callbacks):
         if stop:
             raise _interrupted(stop, position, run.end_writes_together(log))
         run.report_writes(log)
-    run.report_writes(log, wait=True)
-    run.engine.sync_to_model()
-    finalize_weights(run.model)  # After the last checkpoint, which keeps the weights.
-    run.engine.sync_from_model()
-    calls.train_end(epoch_logs(position.history[-1], extra=False) if position.history else {})
-    run.engine.sync_to_model()
-    result = TrainingResult(
-        None, keras_history(position.history), [r.as_dict() for r in position.history],
-        None, position.stopped, weights=[np.asarray(w) for w in run.model.get_weights()])
-    if not chief or not run.step.evaluates:  # No test step, or the chief's checkpoint
-        return result  # may not be visible here yet.
-    latest = run.manager.latest()
-    model, restored = restore_and_evaluate(
-        latest[0], run.dataset, run.model_fn, run.loss_fn, run.compute_loss, run.global_batch,
-        config.steps_per_execution, precision=config.precision, seed=config.seed,
-        names=run.names, optimizer_fn=run.optimizer_fn, learning_rate=config.learning_rate)
-    log(f"Restored {latest[0]} without distribution: "
-        f"{reporting.format_results(restored, 'test_')}")
-    metrics.restored(restored)
-    return dataclasses.replace(result, restored=restored, model=model)  # Its weights next.
+    return position
 
 
 @contextlib.contextmanager
