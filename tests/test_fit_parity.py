@@ -361,6 +361,26 @@ def test_your_own_loss_trains_as_keras_compute_loss_does_in_fit(replicas):
     assert_close(model.get_weights(), reference.get_weights(), 1e-6)
 
 
+class LossWithoutTraining(keras.Model):
+    """`compute_loss` without `training`, as Keras before 3.3 and keras.io's
+    knowledge distillation example write it: `fit` calls it without."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, allow_empty=False):
+        return OwnLossModel.compute_loss(self, x, y, y_pred, sample_weight)
+
+
+@pytest.mark.parametrize("replicas", sorted({1, SEVERAL}))
+def test_a_compute_loss_written_without_training_trains_as_in_fit(replicas):
+    # kdist called it with training=...: a TypeError where fit trains.
+    x, y = classification_data(BATCH, seed=5)
+    start = initial_weights(own_loss_classifier)
+    model_fn = lambda: own_loss_classifier(LossWithoutTraining)  # noqa: E731
+    _, model, _ = on_kdist(model_fn, replicas, (x, y, None), start)
+    reference = on_keras(model_fn, start)
+    reference.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_close(model.get_weights(), reference.get_weights(), 1e-6)
+
+
 class TopLogit(keras.metrics.Mean):
     """The mean of the largest logit, made without a name: Keras names it
     `top_logit`, and each one made after it `top_logit_1`, `top_logit_2`..."""

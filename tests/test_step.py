@@ -657,6 +657,59 @@ def test_evaluate_checkpoint_draws_a_test_steps_numbers_as_the_run_did(tmp_path)
     assert abs(other["test_loss"] - figure) > 1e-3  # Other batches, other draws.
 
 
+class Sampling(keras.layers.Layer):
+    """The Keras VAE example's layer, drawing with `kdist.random`."""
+
+    def call(self, inputs):
+        mean, log_var = inputs
+        return mean + ops.exp(0.5 * log_var) * kdist.random.normal(ops.shape(mean))
+
+
+class FunctionalVAE(keras.Model):
+    """An encoder built on `keras.Input`, as the Keras VAE example builds it."""
+
+    def __init__(self):
+        super().__init__()
+        x = keras.Input((4,))
+        mean, log_var = keras.layers.Dense(2)(x), keras.layers.Dense(2)(x)
+        self.encoder = keras.Model(x, [mean, log_var, Sampling()([mean, log_var])])
+        self.decoder = keras.layers.Dense(4)
+        self.decoder.build((None, 2))
+        self.opt = keras.optimizers.SGD(0.1)
+
+    def loss_of(self, x):
+        mean, log_var, z = self.encoder(x)
+        kl = -0.5 * ops.sum(1 + log_var - ops.square(mean) - ops.exp(log_var), axis=1)
+        return ops.mean(ops.mean(ops.square(self.decoder(z) - x), axis=1) + kl)
+
+    def train_step(self, data):
+        variables = self.encoder.trainable_variables + self.decoder.trainable_variables
+        loss, grads = kdist.value_and_grad(lambda: self.loss_of(data[0]), variables)
+        self.opt.apply(grads, variables)
+        return {"loss": loss}
+
+    def test_step(self, data):
+        return {"loss": self.loss_of(data[0])}
+
+
+def test_a_layer_drawing_with_kdist_random_builds_in_a_functional_model(tmp_path):
+    # Keras calls the layer outside any step to infer its output shape while the
+    # functional encoder is built: kdist.random raised there (a 47-line traceback).
+    x = np.random.default_rng(0).normal(size=(96, 4)).astype(np.float32)
+    dataset = kdist.Dataset(x[:64], x[:64, 0], x[64:], x[64:, 0], "toy")
+    runs = []
+    for replicas in sorted({1, SEVERAL}):
+        config = kdist.TrainConfig(epochs=2, batch_size_per_replica=16 // replicas,
+                                   replicas=replicas, seed=0, progress=False,
+                                   checkpoint_dir=str(tmp_path / str(replicas)))
+        runs.append(kdist.train_and_evaluate(config, dataset, model_fn=FunctionalVAE,
+                                             log=lambda line: None))
+    assert runs[0].history["loss"][1] < runs[0].history["loss"][0]
+    for ours, theirs in zip(runs[0].model.get_weights(), runs[-1].model.get_weights(),
+                            strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
 class SumPenalties(keras.Model):
     """Keras losses with reduction="sum" over a kernel (a weight penalty) and, inside
     a `value_and_grad` with respect to the inputs, over the batch (a gradient
@@ -838,6 +891,31 @@ def test_a_trackers_result_under_another_key_is_merged_as_the_tracker(tmp_path):
                                  log=lambda line: None)
     with pytest.raises(kdist.UsageError, match="returns 'note' as None; return scalars"):
         kdist.train_and_evaluate(config, dataset, model_fn=lambda: Tracked(note=None),
+                                 log=lambda line: None)
+
+
+class PenaltyAsWritten(Tracked):
+    """WGAN-GP's gradient penalty as Keras' example writes it: the critic's
+    output, one value per row, differentiated with respect to its input."""
+
+    def train_step(self, data):
+        x, _ = data
+        kdist.grad(lambda t: self.dense(t), x)
+        return {"loss": 0.0}
+
+
+def test_a_loss_of_several_values_is_refused_naming_the_tapes_sum(tmp_path):
+    # The message suggested keras.ops.mean alone; for a gradient penalty, which
+    # differentiates a (rows, 1) output as tf.GradientTape does (its sum), the
+    # mean trains 1 replica 0.34 away from the tape and 2 replicas away from 1.
+    x = np.ones((32, 4), np.float32)
+    dataset = kdist.Dataset(x, x[:, 0], x, x[:, 0], "toy")
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=1, seed=0,
+                               checkpoint_dir=str(tmp_path), progress=False)
+    with pytest.raises(kdist.UsageError, match=r"kdist.grad returns a loss of shape \(\d+, 1\); "
+                                               r"return a scalar.*keras.ops.sum of it is what "
+                                               r"tf.GradientTape differentiates"):
+        kdist.train_and_evaluate(config, dataset, model_fn=PenaltyAsWritten,
                                  log=lambda line: None)
 
 

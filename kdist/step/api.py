@@ -36,7 +36,8 @@ def value_and_grad(fn: Any, wrt: Any) -> tuple[Any, Any]:
     Returns the gradients in the structure of `wrt`. A variable's gradient
     is averaged over replicas and workers (the module's scaling rule), or
     None where the loss does not read the variable (as
-    `tf.GradientTape.gradient`; `optimizer.apply` skips it). A loss that
+    `tf.GradientTape.gradient`; `optimizer.apply` skips it; on JAX a variable
+    read only under `keras.ops.stop_gradient` gets zeros). A loss that
     reads none of the variables, or does not depend on a tensor named, is a
     `UsageError`.
     """

@@ -250,7 +250,9 @@ def loss_of(value):
     first item of a tuple or list."""
     loss = value[0] if isinstance(value, (tuple, list)) else value
     if len(keras.ops.shape(loss)) != 0:
-        raise UsageError(f"the function given to kdist.value_and_grad returns a loss of shape "
-                         f"{tuple(keras.ops.shape(loss))}; return a scalar (e.g. its "
-                         "keras.ops.mean), or a tuple whose first item is one")
+        raise UsageError(f"the function given to kdist.value_and_grad or kdist.grad returns "
+                         f"a loss of shape {tuple(keras.ops.shape(loss))}; return a scalar, or "
+                         "a tuple whose first item is one: keras.ops.sum of it is what "
+                         "tf.GradientTape differentiates for such a target (a gradient "
+                         "penalty's), keras.ops.mean a loss's mean")
     return loss

@@ -11,6 +11,7 @@ step, `take` hands them out in call order.
 
 import numpy as np
 from keras import ops
+from keras.src.backend.common.symbolic_scope import in_symbolic_scope  # Keras inferring shapes.
 
 from kdist.errors import UsageError
 from kdist.step import context as step_context
@@ -21,7 +22,11 @@ epoch's evaluation sees the same numbers."""
 
 
 def take(kind, shape):
-    """The next draw of the step in progress: standard normal or uniform in [0, 1)."""
+    """The next draw of the step in progress: standard normal or uniform in [0, 1);
+    zeros of `shape` where Keras calls a layer symbolically to infer its output
+    (a functional model built on `keras.Input`s)."""
+    if step_context.active_or_none() is None and in_symbolic_scope():
+        return ops.zeros(shape)
     context = step_context.current()
     shape = tuple(int(d) for d in shape)
     if not shape or shape[0] != context.rows:
