@@ -444,6 +444,23 @@ def test_a_mid_epoch_resume_with_other_training_examples_is_refused(tmp_path):
             model_fn=regularized_classifier)
 
 
+def test_a_run_gives_back_tensorflows_random_stream(tmp_path, small_dataset):
+    # Giving the caller's TensorFlow seed back restarted the stream its eager ops
+    # draw their seeds from: the next tf.random draw repeated the first after the seed.
+    tf = pytest.importorskip("tensorflow")
+
+    def draws():
+        return [float(tf.random.uniform(())) for _ in range(2)]
+
+    tf.random.set_seed(1234)
+    first = draws()
+    expected = draws()
+    tf.random.set_seed(1234)
+    draws()
+    run(config(tmp_path, "run", epochs=1, steps_per_epoch=1), small_dataset)
+    assert draws() == expected != first
+
+
 def test_a_run_gives_back_the_callers_random_state_and_distribution(tmp_path, small_dataset):
     """A run seeds the global random state with its seed (and on JAX sets its own
     distribution); a script drawing its next trial from NumPy finds it as `fit` leaves it,

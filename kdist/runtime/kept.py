@@ -27,7 +27,7 @@ def global_state_kept():
     """
     python, numpy = random.getstate(), np.random.get_state()
     own = [global_state.get_global_attribute(name) for name in _KERAS_RANDOM]
-    tf_seed, distribution = _tf_global_seed(), keras.distribution.distribution()
+    tf_random, distribution = _tf_random(), keras.distribution.distribution()
     torch = sys.modules.get("torch")
     torch_state = None if torch is None else torch.get_rng_state()
     try:
@@ -37,15 +37,32 @@ def global_state_kept():
         np.random.set_state(numpy)
         for name, value in zip(_KERAS_RANDOM, own):
             global_state.set_global_attribute(name, value)
-        if _tf_global_seed() != tf_seed:
-            sys.modules["tensorflow.python.eager.context"].set_global_seed(tf_seed)
+        _restore_tf_random(tf_random)
         if torch is not None:
             torch.set_rng_state(torch_state)
         if keras.distribution.distribution() is not distribution:
             keras.distribution.set_distribution(distribution)
 
 
-def _tf_global_seed():
-    """TensorFlow's global seed where TensorFlow is loaded (else None, its default)."""
-    context = sys.modules.get("tensorflow.python.eager.context")
-    return None if context is None else context.global_seed()
+def _tf_random():
+    """TensorFlow's global seed (None, its default, where TensorFlow is not loaded)
+    and the state of the stream its eager ops draw their seeds from."""
+    module = sys.modules.get("tensorflow.python.eager.context")
+    if module is None:
+        return None, None
+    stream = getattr(module.context(), "_rng", None)
+    return module.global_seed(), None if stream is None else stream.getstate()
+
+
+def _restore_tf_random(before):
+    """Gives TensorFlow's global seed and op-seed stream back (`_tf_random`): setting
+    the seed restarts the stream, so the caller's next `tf.random` draw repeated one."""
+    seed, stream = before
+    module = sys.modules.get("tensorflow.python.eager.context")
+    if module is None:
+        return
+    if module.global_seed() != seed:
+        module.set_global_seed(seed)
+    own = getattr(module.context(), "_rng", None)
+    if stream is not None and own is not None:
+        own.setstate(stream)
