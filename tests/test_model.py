@@ -50,6 +50,18 @@ def test_max_pooling_matches_keras(height):
     np.testing.assert_allclose(np.asarray(grads_a[0]), np.asarray(grads_b[0]), atol=1e-6)
 
 
+def test_max_pooling_gives_a_ties_gradient_to_the_first_maximum_as_keras():
+    # Ties are common where an image is flat (Fashion-MNIST's background): JAX's
+    # max reduction split their gradient, so kdist's CNN trained away from the
+    # stock layers' (8e-4 in 16 SGD steps) and from 1 replica on 2 (1.3e-3).
+    x = np.random.default_rng(0).integers(0, 2, size=(4, 12, 12, 8)).astype("float32")
+    ours, theirs = kdist_model.MaxPooling2D(), keras.layers.MaxPooling2D()
+    out_a, grads_a = gradients(ours, x)
+    out_b, grads_b = gradients(theirs, x)
+    np.testing.assert_array_equal(np.asarray(out_a), np.asarray(out_b))
+    np.testing.assert_array_equal(np.asarray(grads_a[0]), np.asarray(grads_b[0]))
+
+
 @pytest.mark.parametrize("channels", [32, 1])  # The CNN's second and first layer.
 def test_conv2d_matches_keras_with_the_same_weights(channels):
     x = np.random.default_rng(0).normal(size=(4, 13, 13, channels)).astype("float32")

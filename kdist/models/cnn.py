@@ -9,10 +9,12 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
     which pools channels-first on torch (`channels_first`).
 
     XLA:CPU compiles the gradient of `reduce_window` max pooling into a slow
-    select-and-scatter. Taking the max of a (B, H/2, 2, W/2, 2, C) reshape
-    gives the same outputs and gradients through plain element-wise selects,
-    much faster on JAX CPU (docs/performance.md). On TensorFlow the native
-    pooling kernel is faster, so it is kept there.
+    select-and-scatter. Each 2x2 window's four values, from a reshape, times a
+    one-hot of their first maximum, summed, give the same outputs and
+    gradients (ties included: the first maximum takes the gradient) through
+    plain element-wise operations, much faster on JAX CPU
+    (docs/performance.md). On TensorFlow the native pooling kernel is faster,
+    so it is kept there.
 
     The class keeps Keras' name on purpose: weight files index layers by
     class name, so checkpoints stay loadable into a stock Keras model.
@@ -30,7 +32,11 @@ class MaxPooling2D(keras.layers.MaxPooling2D):
         h, w = height // 2, width // 2
         x = inputs[:, :2 * h, :2 * w, :]  # "valid" drops an odd last row/column.
         x = ops.reshape(x, (-1, h, 2, w, 2, channels))
-        return ops.max(x, axis=(2, 4))
+        x = ops.reshape(ops.transpose(x, (0, 1, 3, 5, 2, 4)), (-1, h, w, channels, 4))
+        # The window's first maximum, in row order, takes the gradient, as in
+        # `reduce_window`: a max reduction's would split it among tied maxima.
+        first = ops.one_hot(ops.argmax(ops.stop_gradient(x), axis=-1), 4, dtype=x.dtype)
+        return ops.sum(x * first, axis=-1)
 
 
 class Conv2D(keras.layers.Conv2D):
