@@ -20,8 +20,6 @@ With your own loss, `fn(model, x, y, training) ->
 batch's rows + the model's losses.
 """
 
-import inspect
-
 import keras
 import numpy as np
 from keras import ops
@@ -59,20 +57,13 @@ def test_step(model, data, compute_loss=None):
     return _logs(model, loss, model.compute_metrics(x, y, y_pred, weight))
 
 
-def _model_loss(model, x, y, y_pred, weight, training):
-    """`model.compute_loss`, called as `fit` calls it: without `training` where an
-    override does not take it (written before Keras 3.3, as keras.io's knowledge
-    distillation example is)."""
-    if "training" in inspect.signature(model.compute_loss).parameters:
-        return model.compute_loss(x, y, y_pred, weight, training=training)
-    return model.compute_loss(x, y, y_pred, weight)
-
-
 def _loss(model, x, y, weight, training, compute_loss):
     """(the batch's loss, float32, with the model's losses; y_pred)."""
     if compute_loss is None:
         y_pred = model(x, training=training)
-        loss = _model_loss(model, x, y, y_pred, weight, training)
+        # Keras' own wrapper: without `training` where an override does not take it
+        # (written before Keras 3.3, as keras.io's knowledge distillation example is).
+        loss = model._compute_loss(x, y, y_pred, weight, training=training)
         if len(ops.shape(loss)) != 0:
             shape = tuple(ops.shape(loss))
             what = ("is one value per example" if shape[:1] == ops.shape(data_leaves(x)[0])[:1]
@@ -134,7 +125,7 @@ def build_metrics(model, x, y, sample_weight=None):
     kept = [(v, np.array(v.numpy())) for v in model.variables]
     y_pred = model(x, training=False)
     if model.loss is not None or type(model).compute_loss is not keras.Model.compute_loss:
-        _model_loss(model, x, y, y_pred, sample_weight, False)
+        model._compute_loss(x, y, y_pred, sample_weight, training=False)
     model.compute_metrics(x, y, y_pred, sample_weight)
     _check_sums(model, (x, y, y_pred, sample_weight))
     for metric in model.metrics:
