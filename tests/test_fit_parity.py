@@ -312,6 +312,30 @@ def test_dict_inputs_and_outputs_with_sample_weights_train_and_evaluate_as_in_fi
         assert results[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
 
 
+def auxiliary_output_classifier():
+    """Two outputs, a loss and a metric for the second only: `fit` takes one
+    label array for it."""
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(16, activation="relu")(inputs)
+    model = keras.Model(inputs, [keras.layers.Dense(4, name="auxiliary")(hidden),
+                                 keras.layers.Dense(3, name="label")(hidden)])
+    model.compile(optimizer=keras.optimizers.SGD(0.5),
+                  loss=[None, keras.losses.SparseCategoricalCrossentropy(from_logits=True)],
+                  metrics=[None, ["accuracy"]])
+    return model
+
+
+@pytest.mark.parametrize("replicas", sorted({1, SEVERAL}))
+def test_one_label_array_for_the_one_loss_of_two_outputs_trains_as_in_fit(replicas):
+    # kdist built the loss on 2 rows, which Keras split into the 2 outputs' labels.
+    x, y = classification_data(BATCH, seed=6)
+    results, expected, _ = step_and_evaluation_as_in_fit(
+        auxiliary_output_classifier, (x, y, None), (*classification_data(1001, seed=7), None),
+        replicas)
+    for name, value in expected.items():
+        assert results[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+
+
 def exact_output_losses(model, x, y, weights):
     """{"label_loss", "value_loss"}: sum(weight x loss) / examples, in float64."""
     predicted = model.predict(x, batch_size=2048, verbose=0)

@@ -23,7 +23,7 @@ from kdist.models.cnn import create_model
 from kdist.precision import policy
 from kdist.step import optimizer as step_optimizer
 from kdist.step import program
-from kdist.step.compiled import build_as_fit, build_metrics
+from kdist.step.compiled import build_as_fit, build_metrics, loss_rows
 
 
 def build(engine, model_fn, optimizer_fn=None, learning_rate=None, loss_fn=None,
@@ -175,7 +175,7 @@ def prepare_model(engine, global_batch_size, sample, model_fn=create_model, opti
     model, _ = build(engine, model_fn, optimizer_fn, learning_rate, loss_fn,
                      compute_loss, sample=sample, train=train, precision=precision, names=names)
     steps = program.Program(model, compute_loss, train=train, test=test)
-    steps.build(engine, sample)
+    steps.build(engine, loss_rows(model, sample))
     return model, steps
 
 

@@ -120,8 +120,8 @@ def build_metrics(model, x, y, sample_weight=None):
                          "loss=..., metrics=[...]) in model_fn, as for fit")
     # Tensors, as `fit` hands a step: a metric function may compute `y_true - y_pred`
     # (on torch, a NumPy array minus a tensor that needs gradients fails).
+    x, y, sample_weight = loss_rows(model, (x, y, sample_weight))
     x, y, sample_weight = tree.map_arrays(ops.convert_to_tensor, (x, y, sample_weight))
-    build_as_fit(model, x)
     kept = [(v, np.array(v.numpy())) for v in model.variables]
     y_pred = model(x, training=False)
     if model.loss is not None or type(model).compute_loss is not keras.Model.compute_loss:
@@ -134,6 +134,42 @@ def build_metrics(model, x, y, sample_weight=None):
         variable.assign(value)
 
 
+def loss_rows(model, batch):
+    """`batch` (x, y, sample_weight) as rows to build a step on: its rows repeated
+    where Keras' compiled loss could read `y`, one array, as a label per output.
+
+    Keras splits one label array into the model's outputs where it has as many
+    rows as the model has outputs (a loss given for one output of several,
+    `None` for the others, takes the whole array in `fit`, whose batches are
+    larger). Builds `model` as `fit` does (`build_as_fit`).
+    """
+    x, y, _ = batch
+    build_as_fit(model, x)
+    if y is None or isinstance(y, (list, tuple, dict)):
+        return batch
+    outputs = _output_count(model, x)
+    rows = len(y)
+    count = rows
+    while outputs > 1 and outputs in (count, 2 * count):  # (`_check_sums` doubles them.)
+        count += 1
+    return batch if count == rows else tree.take_rows(batch, np.arange(count) % rows)
+
+
+def _output_count(model, x):
+    """How many arrays `model` returns for `x`, by a symbolic call (1 if it
+    cannot be called symbolically)."""
+    spec = _symbolic(x)
+    try:
+        return len(keras.tree.flatten(compute_output_spec(model, spec, training=False)))
+    except Exception:  # noqa: BLE001 - the eager call raises the model's own error.
+        return 1
+
+
+def _symbolic(x):
+    return tree.map_arrays(
+        lambda a: keras.KerasTensor(a.shape, keras.backend.standardize_dtype(a.dtype)), x)
+
+
 def build_as_fit(model, x):
     """Builds each layer of `model` not yet built as `fit` does, by calling it
     on symbolic inputs shaped as `x` (`compute_output_spec`): the variables
@@ -142,8 +178,7 @@ def build_as_fit(model, x):
     cannot be called at all)."""
     if all(layer.built for layer in model._flatten_layers()):
         return
-    spec = tree.map_arrays(
-        lambda a: keras.KerasTensor(a.shape, keras.backend.standardize_dtype(a.dtype)), x)
+    spec = _symbolic(x)
     scopes = global_state.get_global_attribute("name_scope_stack", default=[],
                                                set_to_default=True)
     entered = list(scopes)
