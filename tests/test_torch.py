@@ -378,6 +378,17 @@ def contract_in_a_process(log, stop):
             engine.any_worker(engine.shard[0] == 1), engine.any_worker(False))
 
 
+def made_without_a_name(log, stop):
+    return keras.metrics.AUC().name
+
+
+def test_keras_names_what_a_process_makes_as_its_parent_would():
+    # Keras names a metric made without a name by its process's counter (`auc`,
+    # `auc_1`...): a second run's history said `auc` where its model in hand said `auc_1`.
+    keras.metrics.AUC()
+    assert replicas.run(2, made_without_a_name, {}) == keras.metrics.AUC().name != "auc"
+
+
 def test_each_process_is_one_replica_and_any_worker_is_agreed():
     assert replicas.run(2, contract_in_a_process, {}) == (2, 1, (0, 2), True, True, False)
 

@@ -1,6 +1,7 @@
 """One replica process's side of `kdist.loop.replicas.run`: it joins the others,
 runs the pickled call, and sends its outcome to the parent through a pipe."""
 
+import collections
 import contextlib
 import os
 import pickle
@@ -50,11 +51,15 @@ def replica_main():
 
                 warnings.simplefilter("ignore", CheckpointWarning)
             import keras  # And the backend.
+            from keras.src.backend.common import global_state  # Keras' name counters.
 
             from kdist import engines
 
+            names = settings.pop("names", {})
             for name, value in settings.items():  # The parent's, in its order.
                 getattr(keras.config, f"set_{name}")(value)
+            global_state.get_global_attribute("object_name_uids", default=collections.defaultdict(
+                int), set_to_default=True).update(names)
 
             with cluster.connect_deadline(spec, remedy=_SLOW_START):
                 engines.connect(spec)

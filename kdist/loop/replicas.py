@@ -10,7 +10,8 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   script of the caller's: the function and its arguments travel pickled by
   cloudpickle, which also takes lambdas and functions of a script's own,
   and Keras' global settings go with them (`keras_settings`: floatx, the
-  dtype policy);
+  dtype policy, the counters that name metrics and layers made without a
+  name);
 - it joins a process group on a free loopback port (the engine's
   `connect`), runs the function with the same arguments and sends its
   outcome back through a pipe; the chief's log lines go to the caller's
@@ -115,15 +116,22 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
 
 
 def keras_settings():
-    """Keras' global settings in this process, which a fresh interpreter lacks:
+    """Keras' global state in this process that a fresh interpreter lacks:
     {name: value} for each `keras.config.set_<name>` (floatx, the dtype
-    policy, epsilon, the image data format); {} before Keras is imported."""
+    policy, epsilon, the image data format), and its counters of automatic
+    names (a run after another here names its metrics `auc_1`, a fresh
+    interpreter `auc`), as {"names": {prefix: count}}; {} before Keras is
+    imported."""
     keras = sys.modules.get("keras")
     if keras is None:
         return {}
+    from keras.src.backend.common import global_state  # Keras' name counters.
+
     config = keras.config
+    names = global_state.get_global_attribute("object_name_uids", default={})
     return {"floatx": config.floatx(), "dtype_policy": config.dtype_policy().name,
-            "epsilon": config.epsilon(), "image_data_format": config.image_data_format()}
+            "epsilon": config.epsilon(), "image_data_format": config.image_data_format(),
+            "names": dict(names)}
 
 
 def _check_memory(num_replicas, meminfo="/proc/meminfo"):
