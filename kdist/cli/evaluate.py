@@ -19,8 +19,9 @@ def main(argv=None):
                     "print its test accuracy.")
     common.add_data_flags(parser)
     add_config_flags(parser, ["precision", "seed"], helps={
-        "seed": "seed of the test step's kdist.random draws: the run's seed gives the run's "
-                "figures (default: %(default)s)"})
+        "seed": "seed of the test step's kdist.random draws and of the random state the "
+                "model is built in: the run's seed gives the run's figures (default: "
+                "%(default)s)"})
     common.add_model_flag(parser, "the model the checkpoint was trained with, a model of "
                                   "your own such as examples/dcgan.py")
     return common.run(parser, argv, _evaluate)

@@ -164,14 +164,21 @@ def _name_counters():
 
 def prepare_model(engine, global_batch_size, sample, model_fn=create_model, optimizer_fn=None,
                   learning_rate=None, loss_fn=None, compute_loss=None, train=True,
-                  precision=None, names=None, test=True):
+                  precision=None, names=None, test=True, seed=None):
     """`build`, then the model's built `kdist.step.program.Program`: returns
     (model, program).
 
-    `sample` is a few (x, y, sample_weight) rows (`sample_rows`). Restore a
-    checkpoint, if any, before `engine.compile_steps(program)`: an engine may
-    take the variables' values when it compiles.
+    `sample` is a few (x, y, sample_weight) rows (`sample_rows`). `seed` (the
+    run's): the global random state is seeded with it just before `model_fn`
+    is called, so every model a run builds (its own, the restored
+    evaluation's, the model in hand; each torch replica process's) draws
+    alike, state that is not a variable too (a layer adapted on a random
+    sample). Restore a checkpoint, if any, before
+    `engine.compile_steps(program)`: an engine may take the variables' values
+    when it compiles.
     """
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
     model, _ = build(engine, model_fn, optimizer_fn, learning_rate, loss_fn,
                      compute_loss, sample=sample, train=train, precision=precision, names=names)
     steps = program.Program(model, compute_loss, train=train, test=test)

@@ -15,6 +15,7 @@ from kdist.loop import building
 from kdist.loop.chunks import evaluate_source
 from kdist.loop.result import TrainingResult
 from kdist.models.cnn import create_model
+from kdist.runtime import kept
 from kdist.step.optimizer import finalize_weights
 
 
@@ -43,16 +44,19 @@ def evaluate_checkpoint(
     test data is read). `batch_size` (default: the global batch of the run
     that wrote `path`, as its metadata records it) and `seed` (the run's) cut
     and draw a test step's `kdist.random` numbers as each epoch's evaluation
-    did. Returns {"restored":
+    did; `seed` also seeds the global random state just before `model_fn` is
+    called, as the run did (a layer adapted on a random sample draws the
+    same sample), and the caller's state is given back after. Returns {"restored":
     True, "checkpoint": path, "test_loss": ..., and test_ each metric}. A bad
     argument raises `kdist.UsageError` before any work.
     """
     _check_arguments(path, batch_size, steps_per_execution, seed)
     if batch_size is None:
         batch_size = _global_batch_of(path)
-    return restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_size,
-                                steps_per_execution, precision=precision, seed=seed,
-                                optimizer_fn=optimizer_fn)[1]
+    with kept.global_state_kept():  # The caller's random state, after the seeded build.
+        return restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss,
+                                    batch_size, steps_per_execution, precision=precision,
+                                    seed=seed, optimizer_fn=optimizer_fn)[1]
 
 
 def _check_arguments(path, batch_size, steps_per_execution, seed):
@@ -89,7 +93,7 @@ def restore_and_evaluate(path, dataset, model_fn, loss_fn, compute_loss, batch_s
     model, step = building.prepare_model(engine, batch_size, building.sample_rows(prepared),
                                          model_fn, optimizer_fn, learning_rate, loss_fn=loss_fn,
                                          compute_loss=compute_loss, train=False,
-                                         precision=precision, names=names)
+                                         precision=precision, names=names, seed=seed)
     # Evaluation does not read the optimizers' state (`optimizers=False`), but with
     # use_ema=True the model fit ends with holds their averages.
     checkpoints.restore(model, path, optimizers=False,
@@ -122,7 +126,7 @@ def model_in_hand(result: TrainingResult, prepared: base.Prepared,
     model, _ = building.prepare_model(
         engine, config.batch_size_per_replica, building.sample_rows(prepared), model_fn,
         optimizer_fn, config.learning_rate, loss_fn=loss_fn, compute_loss=compute_loss,
-        train=False, precision=config.precision, names=names)
+        train=False, precision=config.precision, names=names, seed=config.seed)
     latest = checkpoints.CheckpointManager(config.checkpoint_dir).latest()
     if latest is not None:
         checkpoints.restore(model, latest[0], optimizers=False)

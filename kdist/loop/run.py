@@ -55,12 +55,12 @@ class Run:
         self.writer = background.BackgroundWriter(
             self.manager if self.engine.is_chief else checkpoints.DiscardingManager())
         try:
-            keras.utils.set_random_seed(config.seed)
             sample = building.sample_rows(dataset)
             self.model, self.step = building.prepare_model(
                 self.engine, self.global_batch, sample, model_fn,
                 optimizer_fn, config.learning_rate, loss_fn, compute_loss,
-                precision=config.precision, names=names, test=dataset.test is not None)
+                precision=config.precision, names=names, test=dataset.test is not None,
+                seed=config.seed)
             # Whether the optimizer may skip steps: the epoch lines then count them.
             self.dynamic_loss_scale = any(isinstance(o, keras.optimizers.LossScaleOptimizer)
                                           for o in self.step.optimizers)
