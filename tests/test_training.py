@@ -276,6 +276,21 @@ def test_a_keras_backup_and_restore_is_refused_before_any_work(tmp_path, small_d
         training.train_and_evaluate(config(tmp_path, "run"), small_dataset,
                                     log=lambda line: None, callbacks=[backup])
     assert not (tmp_path / "run").exists() and not (tmp_path / "backup").exists()
+    with pytest.raises(kdist.UsageError, match="must be keras.callbacks.Callback objects; "
+                                               "got str: 'loss'"):
+        training.train_and_evaluate(config(tmp_path, "run"), small_dataset,
+                                    log=lambda line: None, callbacks=["loss"])
+    assert not (tmp_path / "run").exists()
+
+
+def test_callbacks_none_or_one_callback_are_taken_as_fit_takes_them(tmp_path, small_dataset):
+    # None was a TypeError ('NoneType' object is not iterable).
+    seen = []
+    one = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(epoch))
+    for name, callbacks in (("none", None), ("one", one)):
+        training.train_and_evaluate(config(tmp_path, name, epochs=1, steps_per_epoch=1),
+                                    small_dataset, log=lambda line: None, callbacks=callbacks)
+    assert seen == [0]
 
 
 def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
@@ -487,3 +502,40 @@ def test_a_run_gives_back_the_callers_random_state_and_distribution(tmp_path, sm
         training.train_and_evaluate(config(tmp_path, "failed", epochs=1), small_dataset,
                                     model_fn=failing_model, log=lambda line: None)
     assert draws() == expected
+
+
+def test_every_model_a_run_builds_draws_alike_and_evaluating_keeps_the_callers_draws(
+        tmp_path):
+    """A `model_fn` may adapt a layer on a random sample: state that is no variable,
+    so no checkpoint holds it. The restored evaluation's model drew another sample
+    than the trained one (its figure was not the last epoch's)."""
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(160, 4)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int32)
+    bins = []
+
+    def adapted_on_a_sample():
+        layer = keras.layers.Discretization(num_bins=8)
+        layer.adapt(x[np.random.choice(128, 48, replace=False)])
+        bins.append([float(b) for b in layer.bin_boundaries])
+        inputs = keras.Input((4,))
+        encoded = keras.layers.CategoryEncoding(8, output_mode="multi_hot")(layer(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(2)(encoded))
+        model.compile(optimizer=keras.optimizers.SGD(0.5),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    data = kdist.Dataset(x[:128], y[:128], x[128:], y[128:])
+    cfg = config(tmp_path, "run", epochs=1, steps_per_epoch=None)
+    result = training.train_and_evaluate(cfg, data, model_fn=adapted_on_a_sample,
+                                         log=lambda line: None)
+    assert result.restored["test_loss"] == pytest.approx(result.history["val_loss"][-1],
+                                                         rel=1e-6)
+    np.random.seed(9)
+    expected = np.random.uniform()
+    np.random.seed(9)
+    again = kdist.evaluate_checkpoint(result.restored["checkpoint"], data, adapted_on_a_sample,
+                                      seed=cfg.seed)
+    assert np.random.uniform() == expected  # The caller's draws, as before the call.
+    assert again["test_loss"] == pytest.approx(result.restored["test_loss"], rel=1e-6)
+    assert len(bins) >= 3 and all(b == bins[0] for b in bins)
