@@ -44,17 +44,28 @@ WRITES_FILES = (keras.callbacks.CSVLogger, keras.callbacks.TensorBoard,
                 RunToTensorBoard)
 
 
-def check_callbacks(callbacks: Sequence[keras.callbacks.Callback]) -> None:
-    """Raises `UsageError`, before any work, for a callback kdist cannot run:
-    `BackupAndRestore`, which at `on_train_begin` loads its own backup over the
-    checkpoint kdist resumed from (a mid-epoch resume then lost the epoch's
-    steps before it, silently)."""
+def check_callbacks(callbacks: Sequence[keras.callbacks.Callback] | None,
+                    ) -> list[keras.callbacks.Callback]:
+    """`callbacks` as a list (None: none, as `fit` takes it). Raises `UsageError`,
+    before any work, for what is not a Keras callback, and for a callback kdist
+    cannot run: `BackupAndRestore`, which at `on_train_begin` loads its own
+    backup over the checkpoint kdist resumed from (a mid-epoch resume then lost
+    the epoch's steps before it, silently)."""
+    if callbacks is None:
+        return []
+    if isinstance(callbacks, keras.callbacks.Callback):
+        callbacks = [callbacks]
+    others = [c for c in callbacks if not isinstance(c, keras.callbacks.Callback)]
+    if others:
+        raise UsageError(f"callbacks must be keras.callbacks.Callback objects; got "
+                         f"{type(others[0]).__name__}: {others[0]!r:.80}")
     for callback in callbacks:
         if isinstance(callback, keras.callbacks.BackupAndRestore):
             raise UsageError(
                 "keras.callbacks.BackupAndRestore loads its own backup over the checkpoint "
                 "kdist resumes from; kdist checkpoints and resumes by itself "
                 "(checkpoint_dir, checkpoint_every_steps): leave it out")
+    return list(callbacks)
 
 
 class Hooks:

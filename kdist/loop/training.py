@@ -41,7 +41,7 @@ def train_and_evaluate(
         loss_fn: Callable[[Any, Any], Any] | None = None,
         compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
         log: Callable[[str], object] = print, stop: object = None,
-        callbacks: Sequence[keras.callbacks.Callback] = ()) -> TrainingResult:
+        callbacks: Sequence[keras.callbacks.Callback] | None = ()) -> TrainingResult:
     """Trains data-parallel, checkpoints, restores without distribution, evaluates.
 
     Args:
@@ -72,7 +72,7 @@ def train_and_evaluate(
             the same step when any one's `stop` is true. With torch's
             replica processes this process reads it: a callback, which runs
             in those processes, stops training with `model.stop_training`.
-        callbacks: `keras.callbacks.Callback`s, called as `fit` calls them
+        callbacks: `keras.callbacks.Callback`s (or None), called as `fit` calls them
             (`kdist.loop.hooks`): `model.stop_training = True` ends training
             after the current chunk of steps (on every worker), with a
             checkpoint, and the run returns as usual. On torch each replica
@@ -85,7 +85,7 @@ def train_and_evaluate(
     """
     engines.bound_exit()  # Failing before this run ends with the others' strands them.
     checks.check_config(config)
-    hooks.check_callbacks(callbacks)
+    callbacks = hooks.check_callbacks(callbacks)
     joining.join_from_environment()  # Several workers: a script under a cluster's launcher.
     with kept.global_state_kept():  # Seeds and, on JAX, the distribution: the caller's after.
         return _run(config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss, log, stop,
