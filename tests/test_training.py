@@ -539,3 +539,27 @@ def test_every_model_a_run_builds_draws_alike_and_evaluating_keeps_the_callers_d
     assert np.random.uniform() == expected  # The caller's draws, as before the call.
     assert again["test_loss"] == pytest.approx(result.restored["test_loss"], rel=1e-6)
     assert len(bins) >= 3 and all(b == bins[0] for b in bins)
+
+
+def test_a_layer_keras_cannot_compile_is_named_on_jax_and_trains_elsewhere(tmp_path):
+    # On JAX: a 114-line traceback from RandomCrop's slicing with traced offsets.
+    def cropping():
+        inputs = keras.Input((10, 10, 1))
+        cropped = keras.layers.RandomCrop(8, 8, seed=3)(inputs)
+        pooled = keras.layers.GlobalAveragePooling2D()(keras.layers.Conv2D(4, 3)(cropped))
+        model = keras.Model(inputs, keras.layers.Dense(2)(pooled))
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x = np.random.default_rng(0).normal(size=(64, 10, 10, 1)).astype(np.float32)
+    data = kdist.Dataset(x, (x.mean(axis=(1, 2, 3)) > 0).astype(np.int32), x[:16],
+                         np.zeros(16, np.int32))
+    cfg = config(tmp_path, "run", epochs=1, steps_per_epoch=None)
+    if keras.backend.backend() != "jax":
+        result = training.train_and_evaluate(cfg, data, model_fn=cropping, log=lambda line: None)
+        assert np.isfinite(result.history["loss"][0])
+        return
+    with pytest.raises(kdist.UsageError, match=r"could not be compiled by jax.jit \(IndexError: "
+                       r".*\(supports_jit=False\): RandomCrop 'random_crop'\. kdist compiles"):
+        training.train_and_evaluate(cfg, data, model_fn=cropping, log=lambda line: None)

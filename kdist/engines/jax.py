@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kdist.engines import contract, jax_chunks
-from kdist.engines.jax_step import Primitives
+from kdist.engines.jax_step import Primitives, traced_as_keras_allows
 from kdist.errors import UsageError
 from kdist.runtime import kept
 
@@ -197,8 +197,9 @@ class Engine(contract.Engine):
         variables = program.variables
         self.sync_from_model()
 
-        def run(state, batch, training):
-            stats, scope = program.run(Primitives(), training, batch, zip(variables, state))
+        def run(state, batch, training):  # Runs as jax.jit traces it.
+            with traced_as_keras_allows(program.model):
+                stats, scope = program.run(Primitives(), training, batch, zip(variables, state))
             return [scope.get_current_value(v) for v in variables], stats
 
         def train_step(state, batch):

@@ -1,8 +1,12 @@
 """What runs inside the JAX engine's step: the step primitives, over the values
 the step's scope holds (`jax.value_and_grad`, Keras' stateless optimizers)."""
 
+import contextlib
+import re
+
 import jax
 
+from kdist.errors import UsageError
 from kdist.step import context as step_context
 from kdist.step.context import StepScope, current_scope, loss_of
 
@@ -70,3 +74,27 @@ class Primitives(step_context.Primitives):
 def _current(scope, variable):
     value = scope.get_current_value(variable)
     return variable.value if value is None else value
+
+
+@contextlib.contextmanager
+def traced_as_keras_allows(model):
+    """Around a step's trace by `jax.jit`: an error there, in a model holding layers
+    Keras marks as not compilable (`supports_jit=False`, as `RandomCrop`,
+    whose offsets slice with traced numbers), is a `UsageError` naming them.
+    Keras' `fit` runs such a model without jit on JAX; kdist's JAX engine
+    compiles every step. Other errors pass as they are."""
+    try:
+        yield
+    except Exception as e:
+        layers = [f"{type(layer).__name__} {layer.name!r}" for layer in model._flatten_layers()
+                  if not getattr(layer, "supports_jit", True)]
+        if not layers:
+            raise
+        said = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).split("Arguments received")[0]
+        said = " ".join(line.strip() for line in said.splitlines() if line.strip())
+        raise UsageError(
+            f"the step could not be compiled by jax.jit ({type(e).__name__}: {said:.200}); "
+            f"the model holds layers Keras marks as not compilable (supports_jit=False): "
+            f"{', '.join(layers)}. kdist compiles every step on JAX, where Keras' fit runs "
+            "such a model without jit: apply the layer in the input pipeline, or train on "
+            "TensorFlow or torch") from e
