@@ -148,3 +148,23 @@ def test_each_splits_labels_are_checked_whatever_the_others_dtype():
     with pytest.raises(DataError, match=r"labels: train label 3.0 \(example 5\) is not a class"):
         building.check_labels(sources.prepare(kdist.Dataset(
             x, wrong.astype(np.float32) * 3 / 7, x, classes, "labels")), model)
+
+
+def test_labels_per_pixel_are_checked_as_classes_in_arrays_and_streams(tmp_path):
+    # A label per pixel (or time step) was not checked: on JAX a run trained on silently.
+    def per_pixel():
+        model = keras.Sequential([keras.Input((4, 4, 1)), keras.layers.Conv2D(3, 1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    x = np.random.default_rng(0).normal(size=(64, 4, 4, 1)).astype(np.float32)
+    y = (x[..., 0] > 0).astype(np.int32)
+    y[37, 2, 3] = 3
+    config = kdist.TrainConfig(epochs=1, batch_size_per_replica=16, checkpoint_dir=str(
+        tmp_path / "run"))
+    for data, where in (
+            (kdist.Dataset(x, y, x[:16], y[:16], "toy"), r"toy: train label 3 \(example 37\)"),
+            (base.Inputs(Batches(x, y, 16)), r"the train data: batch 2: label 3 \(row 5\)")):
+        with pytest.raises(DataError, match=where + " is not a class of the model, which has 3"):
+            kdist.train_and_evaluate(config, data, model_fn=per_pixel, log=lambda line: None)

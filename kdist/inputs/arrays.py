@@ -26,7 +26,8 @@ class Dataset:
 
     Each of x and y is a NumPy array or a tuple, list or dict of them (as
     Keras `fit` takes), every array with one row per example; sample
-    weights are optional arrays of shape (N,).
+    weights are optional arrays with a row per example, shaped as the loss
+    takes them: (N,), or (N, H, W) for a loss per pixel, as in `fit`.
     """
 
     train_x: Arrays

@@ -202,12 +202,13 @@ def sample_rows(dataset, rows=2):
 
 def check_labels(prepared, model, splits=("train", "test")):
     """Makes class-index targets checked against a one-output classifier's class
-    count: a `kdist.Dataset`'s arrays here, at once; any other source's labels
-    as they stream (`kdist.inputs.base.Source.expect_classes`). Only where the
-    compiled loss reads its targets as class indices (`_takes_class_indices`):
-    integer targets may be counts for another loss."""
+    count (its output's last axis: per example, per time step or per pixel): a
+    `kdist.Dataset`'s arrays here, at once; any other source's labels as they
+    stream (`kdist.inputs.base.Source.expect_classes`). Only where the compiled
+    loss reads its targets as class indices (`_takes_class_indices`): integer
+    targets may be counts for another loss."""
     shape = getattr(model, "output_shape", None)
-    if not (isinstance(shape, tuple) and len(shape) == 2 and (shape[-1] or 0) > 1
+    if not (isinstance(shape, tuple) and len(shape) >= 2 and (shape[-1] or 0) > 1
             and _takes_class_indices(getattr(model, "loss", None))):
         return
     dataset = prepared.arrays
