@@ -156,18 +156,10 @@ def loss_rows(model, batch):
 
 
 def _output_count(model, x):
-    """How many arrays `model` returns for `x`, by a symbolic call (1 if it
-    cannot be called symbolically)."""
-    spec = _symbolic(x)
-    try:
-        return len(keras.tree.flatten(compute_output_spec(model, spec, training=False)))
-    except Exception:  # noqa: BLE001 - the eager call raises the model's own error.
-        return 1
-
-
-def _symbolic(x):
-    return tree.map_arrays(
-        lambda a: keras.KerasTensor(a.shape, keras.backend.standardize_dtype(a.dtype)), x)
+    """How many arrays `model` returns for `x` (1 if it cannot be called
+    symbolically)."""
+    spec = _symbolic_call(model, x)
+    return 1 if spec is None else len(keras.tree.flatten(spec))
 
 
 def build_as_fit(model, x):
@@ -176,16 +168,23 @@ def build_as_fit(model, x):
     are created and nothing is assigned. A model that cannot be called
     symbolically is built by the eager call after (which says why if it
     cannot be called at all)."""
-    if all(layer.built for layer in model._flatten_layers()):
-        return
-    spec = _symbolic(x)
+    if not all(layer.built for layer in model._flatten_layers()):
+        _symbolic_call(model, x)
+
+
+def _symbolic_call(model, x):
+    """`model`'s output spec for inputs shaped as `x`, by a symbolic call; None
+    where it cannot be called so."""
+    spec = tree.map_arrays(
+        lambda a: keras.KerasTensor(a.shape, keras.backend.standardize_dtype(a.dtype)), x)
     scopes = global_state.get_global_attribute("name_scope_stack", default=[],
                                                set_to_default=True)
     entered = list(scopes)
     try:
-        compute_output_spec(model, spec, training=False)
+        return compute_output_spec(model, spec, training=False)
     except Exception:  # noqa: BLE001 - the eager call raises the model's own error.
         scopes[:] = entered  # A failed symbolic call on TensorFlow leaves its scopes open.
+        return None
 
 
 def _check_sums(model, batch):
