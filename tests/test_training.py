@@ -506,39 +506,45 @@ def test_a_run_gives_back_the_callers_random_state_and_distribution(tmp_path, sm
 
 def test_every_model_a_run_builds_draws_alike_and_evaluating_keeps_the_callers_draws(
         tmp_path):
-    """A `model_fn` may adapt a layer on a random sample: state that is no variable,
-    so no checkpoint holds it. The restored evaluation's model drew another sample
-    than the trained one (its figure was not the last epoch's)."""
+    """A `model_fn` may draw state that is no variable, so no checkpoint holds it (a
+    layer adapted on a random sample; here a fixed random projection). The restored
+    evaluation's model drew another than the trained one (its figure was not the last
+    epoch's)."""
     rng = np.random.default_rng(2)
     x = rng.normal(size=(160, 4)).astype(np.float32)
     y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int32)
-    bins = []
+    drawn = []
 
-    def adapted_on_a_sample():
-        layer = keras.layers.Discretization(num_bins=8)
-        layer.adapt(x[np.random.choice(128, 48, replace=False)])
-        bins.append([float(b) for b in layer.bin_boundaries])
+    class Projection(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.matrix = np.random.normal(size=(4, 8)).astype(np.float32)
+            drawn.append(self.matrix)
+
+        def call(self, inputs):
+            return keras.ops.matmul(inputs, self.matrix)
+
+    def projected():
         inputs = keras.Input((4,))
-        encoded = keras.layers.CategoryEncoding(8, output_mode="multi_hot")(layer(inputs))
-        model = keras.Model(inputs, keras.layers.Dense(2)(encoded))
+        hidden = keras.layers.Activation("relu")(Projection()(inputs))
+        model = keras.Model(inputs, keras.layers.Dense(2)(hidden))
         model.compile(optimizer=keras.optimizers.SGD(0.5),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         return model
 
     data = kdist.Dataset(x[:128], y[:128], x[128:], y[128:])
     cfg = config(tmp_path, "run", epochs=1, steps_per_epoch=None)
-    result = training.train_and_evaluate(cfg, data, model_fn=adapted_on_a_sample,
-                                         log=lambda line: None)
+    result = training.train_and_evaluate(cfg, data, model_fn=projected, log=lambda line: None)
     assert result.restored["test_loss"] == pytest.approx(result.history["val_loss"][-1],
                                                          rel=1e-6)
     np.random.seed(9)
     expected = np.random.uniform()
     np.random.seed(9)
-    again = kdist.evaluate_checkpoint(result.restored["checkpoint"], data, adapted_on_a_sample,
+    again = kdist.evaluate_checkpoint(result.restored["checkpoint"], data, projected,
                                       seed=cfg.seed)
     assert np.random.uniform() == expected  # The caller's draws, as before the call.
     assert again["test_loss"] == pytest.approx(result.restored["test_loss"], rel=1e-6)
-    assert len(bins) >= 3 and all(b == bins[0] for b in bins)
+    assert len(drawn) >= 3 and all(np.array_equal(m, drawn[0]) for m in drawn)
 
 
 def test_a_layer_keras_cannot_compile_is_named_on_jax_and_trains_elsewhere(tmp_path):
