@@ -138,6 +138,12 @@ def object_names():
     return dict(_name_counters())
 
 
+def continue_object_names(names):
+    """Keras' counters of automatic names go on from `names` (`object_names()`
+    of another process), so this process names what that one would."""
+    _name_counters().update(names)
+
+
 @contextlib.contextmanager
 def _names_from(start):
     """Keras' name counters at `start` inside the block (None: as they are); after

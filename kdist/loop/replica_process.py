@@ -1,7 +1,6 @@
 """One replica process's side of `kdist.loop.replicas.run`: it joins the others,
 runs the pickled call, and sends its outcome to the parent through a pipe."""
 
-import collections
 import contextlib
 import os
 import pickle
@@ -51,15 +50,14 @@ def replica_main():
 
                 warnings.simplefilter("ignore", CheckpointWarning)
             import keras  # And the backend.
-            from keras.src.backend.common import global_state  # Keras' name counters.
 
             from kdist import engines
+            from kdist.loop import building
 
             names = settings.pop("names", {})
             for name, value in settings.items():  # The parent's, in its order.
                 getattr(keras.config, f"set_{name}")(value)
-            global_state.get_global_attribute("object_name_uids", default=collections.defaultdict(
-                int), set_to_default=True).update(names)
+            building.continue_object_names(names)
 
             with cluster.connect_deadline(spec, remedy=_SLOW_START):
                 engines.connect(spec)

@@ -125,13 +125,12 @@ def keras_settings():
     keras = sys.modules.get("keras")
     if keras is None:
         return {}
-    from keras.src.backend.common import global_state  # Keras' name counters.
+    from kdist.loop import building  # Imports Keras, imported already.
 
     config = keras.config
-    names = global_state.get_global_attribute("object_name_uids", default={})
     return {"floatx": config.floatx(), "dtype_policy": config.dtype_policy().name,
             "epsilon": config.epsilon(), "image_data_format": config.image_data_format(),
-            "names": dict(names)}
+            "names": building.object_names()}
 
 
 def _check_memory(num_replicas, meminfo="/proc/meminfo"):
