@@ -458,6 +458,44 @@ def test_a_whole_run_ends_where_fit_ends_on_the_same_batches(replicas, tmp_path)
         assert ours["test_accuracy"] == pytest.approx(theirs["accuracy"], abs=1e-6), epoch
 
 
+@pytest.mark.parametrize("replicas", sorted({1, SEVERAL}))
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_class_weight_weighs_each_example_by_its_class_as_in_fit(replicas, one_hot, tmp_path):
+    """`class_weight` (class 0 not given: weight 1) for class indices or one-hot
+    labels: an epoch of `train_and_evaluate` ends at the weights and loss of
+    `fit(class_weight=...)` on kdist's batches, weights far from `fit`'s without it."""
+    x, y = classification_data(640, seed=6)
+    if one_hot:
+        y = np.eye(3, dtype=np.float32)[y]
+    loss = keras.losses.CategoricalCrossentropy if one_hot else \
+        keras.losses.SparseCategoricalCrossentropy
+    class_weight, seed, built = {1: 3.0, 2: 0.25}, 2, []
+
+    def model_fn():
+        model = regularized_classifier()
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss(from_logits=True))
+        built.append([np.array(w) for w in model.get_weights()])
+        return model
+
+    config = kdist.TrainConfig(epochs=1, seed=seed, replicas=replicas,
+                               batch_size_per_replica=BATCH // replicas,
+                               checkpoint_dir=str(tmp_path))
+    result = kdist.train_and_evaluate(config, kdist.Dataset(x, y, x[:64], y[:64], "toy"),
+                                      model_fn=model_fn, log=lambda line: None,
+                                      class_weight=class_weight)
+    order = arrays.epoch_order(len(x), seed, 0)
+    for weighed in (class_weight, None):
+        reference = on_keras(model_fn, built[0])
+        fitted = reference.fit(x[order], y[order], batch_size=BATCH, shuffle=False, verbose=0,
+                               class_weight=weighed).history
+        if weighed:
+            assert_close(result.model.get_weights(), reference.get_weights(), 1e-5)
+            assert result.epochs[0]["train_loss"] == pytest.approx(fitted["loss"][0], rel=1e-5)
+        else:
+            with pytest.raises(AssertionError):
+                assert_close(result.model.get_weights(), reference.get_weights(), 1e-3)
+
+
 class GuideStepModel(keras.Model):
     """Keras' guide "Customizing what happens in fit()": every metric in
     `self.metrics` updated, their results returned (the compiled ones as a dict),

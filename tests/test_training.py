@@ -293,6 +293,27 @@ def test_callbacks_none_or_one_callback_are_taken_as_fit_takes_them(tmp_path, sm
     assert seen == [0]
 
 
+def test_class_weight_kdist_cannot_apply_is_one_usage_error_before_any_work(
+        tmp_path, small_dataset):
+    # Was Python's TypeError (an unexpected keyword); a traceback for labels per pixel.
+    data = small_dataset
+    cases = [
+        (data, [1.0, 2.0], "give a dict"),
+        (dataclasses.replace(data, train_sample_weight=np.ones(len(data.train_y))), {1: 2.0},
+         "not both"),
+        (dataclasses.replace(data, train_y=(data.train_y, data.train_y)), {1: 2.0},
+         "one label array"),
+        (dataclasses.replace(data, train_y=np.zeros((len(data.train_y), 4, 4), np.int32)),
+         {1: 2.0}, r"shaped \(512, 4, 4\)"),
+        (Inputs((data.train_x, data.train_y)), {1: 2.0}, "for kdist.Inputs"),
+    ]
+    for dataset, class_weight, match in cases:
+        with pytest.raises(kdist.UsageError, match=match):
+            training.train_and_evaluate(config(tmp_path, "refused"), dataset,
+                                        log=lambda line: None, class_weight=class_weight)
+    assert not (tmp_path / "refused").exists()
+
+
 def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
         tmp_path, small_dataset):
     run(config(tmp_path, "run", epochs=1, keep=3), small_dataset)

@@ -11,10 +11,11 @@ batch, never padded, so every metric counts each example once.
 """
 
 import dataclasses
+from collections.abc import Mapping
 
 import numpy as np
 
-from kdist.errors import DataError
+from kdist.errors import DataError, UsageError
 from kdist.inputs.base import SizedSource, Stream, eval_steps
 from kdist.inputs.batching import check_class_labels
 from kdist.tree import Arrays, leaves, num_examples, take_rows
@@ -46,6 +47,34 @@ class Dataset:
     def size(self, name: str) -> int:
         """The examples of split "train" or "test"."""
         return num_examples(getattr(self, f"{name}_x"))
+
+
+def with_class_weight(dataset, class_weight):
+    """`dataset` with training sample weights from `class_weight` ({class index:
+    weight}; a class it lacks weighs 1), derived as `fit(class_weight=...)`
+    derives them (Keras' `class_weight_to_sample_weights`: class indices of
+    shape (N,) or (N, 1), one-hot rows by their argmax). The test split is
+    unchanged: `fit` weighs no validation example by its class."""
+    if not isinstance(dataset, Dataset):
+        raise UsageError("class_weight takes a kdist.Dataset (arrays); for kdist.Inputs, "
+                         "give each batch its sample weights (weights[y])")
+    if not isinstance(class_weight, Mapping):
+        raise UsageError(f"class_weight is {type(class_weight).__name__}; give a dict "
+                         "{class index: weight}, as for fit")
+    if dataset.train_sample_weight is not None:
+        raise UsageError("the dataset has training sample weights; give class_weight or "
+                         "sample weights, not both (as fit)")
+    if not isinstance(dataset.train_y, np.ndarray):
+        raise UsageError("class_weight takes one label array (a model with one output), "
+                         "as fit does; for several, give sample weights")
+    if dataset.train_y.ndim > 2:
+        raise UsageError(f"class_weight weighs one label per example, and the labels are "
+                         f"shaped {dataset.train_y.shape}; for labels per pixel or step, give "
+                         "sample weights shaped as the labels (weights[y])")
+    from keras.src.trainers.data_adapters import data_adapter_utils  # Keras' own rule.
+
+    weights = data_adapter_utils.class_weight_to_sample_weights(dataset.train_y, class_weight)
+    return dataclasses.replace(dataset, train_sample_weight=weights)
 
 
 def check_dataset(dataset):

@@ -11,7 +11,7 @@ and its step are built by `kdist.loop.building`, one run's pieces held by
 import contextlib
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -41,7 +41,8 @@ def train_and_evaluate(
         loss_fn: Callable[[Any, Any], Any] | None = None,
         compute_loss: Callable[[keras.Model, Any, Any, bool], tuple[Any, Any]] | None = None,
         log: Callable[[str], object] = print, stop: object = None,
-        callbacks: Sequence[keras.callbacks.Callback] | None = ()) -> TrainingResult:
+        callbacks: Sequence[keras.callbacks.Callback] | None = (),
+        class_weight: Mapping[int, float] | None = None) -> TrainingResult:
     """Trains data-parallel, checkpoints, restores without distribution, evaluates.
 
     Args:
@@ -77,6 +78,10 @@ def train_and_evaluate(
             after the current chunk of steps (on every worker), with a
             checkpoint, and the run returns as usual. On torch each replica
             process runs copies of them.
+        class_weight: {class index: weight} for a `kdist.Dataset` with one
+            label array and no training sample weights: each training
+            example weighs its class's weight (1 for a class not given), as
+            in `fit` (`kdist.inputs.arrays.with_class_weight`).
 
     Returns a `TrainingResult`: the trained model with no distribution,
     `history` as Keras' `History` has it, `epochs` (one record per epoch:
@@ -86,6 +91,8 @@ def train_and_evaluate(
     engines.bound_exit()  # Failing before this run ends with the others' strands them.
     checks.check_config(config)
     callbacks = hooks.check_callbacks(callbacks)
+    if class_weight is not None:
+        dataset = arrays.with_class_weight(dataset, class_weight)
     joining.join_from_environment()  # Several workers: a script under a cluster's launcher.
     with kept.global_state_kept():  # Seeds and, on JAX, the distribution: the caller's after.
         return _run(config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss, log, stop,
