@@ -10,6 +10,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import keras
@@ -181,19 +182,33 @@ def test_keras_objects_that_pickling_keeps_travel():
     assert [o.get_config() for o in arrived] == [o.get_config() for o in objects]
 
 
-def failing(log, stop):
+class HoldsALock(Exception):
+    """An exception that does not pickle."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+def failing(log, stop, error):
     """Process 1 fails; process 0 would wait forever in a collective without it."""
     engine = engines.create_engine()
     if engine.shard[0] == 1:
-        raise RuntimeError("replica 1 broke")
+        raise error("replica 1 broke")
     engine.any_worker(False)
 
 
-def test_a_failing_process_stops_the_others_with_its_error():
+@pytest.mark.parametrize("error, raised, match", [
+    (RuntimeError, RuntimeError, "^replica 1 broke$"),  # As one process raises it.
+    (HoldsALock, TrainingError, "^HoldsALock: replica 1 broke$")])
+def test_a_failing_process_stops_the_others_with_its_error(error, raised, match):
+    # A replica's own ValueError (a callback's) reached the caller as a TrainingError.
     start = time.monotonic()
-    with pytest.raises(TrainingError, match="RuntimeError: replica 1 broke"):
-        replicas.run(2, failing, {})
+    with pytest.raises(raised, match=match) as caught:
+        replicas.run(2, failing, {"error": error})
     assert time.monotonic() - start < replicas.GRACE_SECONDS + 60
+    assert type(caught.value) is raised
+    assert 'raise error("replica 1 broke")' in caught.value.replica_traceback
 
 
 def test_torchrun_variables_describe_the_process_group():

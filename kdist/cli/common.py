@@ -46,6 +46,11 @@ def run(parser, argv, body, failures=()):
     except (errors.KdistError, *failures) as error:
         handler = next((h for kind, h in EXIT_STATUSES if isinstance(error, kind)), _failed)
         return handler(parser, error)
+    except Exception as error:
+        if getattr(error, "replica_traceback", None) is None:
+            raise
+        # A replica process's own exception, its traceback printed already: one line.
+        return _failed(parser, f"{type(error).__name__}: {error}")
 
 
 def quiet_signals(message):

@@ -9,6 +9,8 @@ import traceback
 import warnings
 from multiprocessing import connection
 
+import cloudpickle
+
 from kdist import hints
 from kdist.errors import KdistError, TrainingError
 from kdist.runtime import memory, startup
@@ -101,9 +103,17 @@ class _ParentPipe:
 
 
 def _portable(error):
-    """(class, message, attributes, traceback) of `error`: a kdist error comes back
-    as itself; any other as a TrainingError with its type, message and traceback."""
+    """(class, message, attributes, traceback, pickled) of `error`: a kdist error
+    comes back as itself; any other with its traceback, as itself where it
+    pickles (`pickled`, its cloudpickle bytes; else None), as a TrainingError
+    with its type and message where it does not."""
     if isinstance(error, KdistError):
-        return type(error), str(error), dict(vars(error)), None
+        return type(error), str(error), dict(vars(error)), None, None
+    itself = None
+    if isinstance(error, Exception):  # Not an exit or a KeyboardInterrupt.
+        try:
+            itself = cloudpickle.dumps(error)
+        except Exception:  # noqa: BLE001 - what does not pickle comes as a TrainingError.
+            pass
     return (TrainingError, f"{type(error).__name__}: {error}", {},
-            "".join(traceback.format_exception(error)))
+            "".join(traceback.format_exception(error)), itself)

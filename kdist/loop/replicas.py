@@ -25,7 +25,9 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   agree on a step, the chief checkpoints, and the parent raises the chief's
   `Interrupted`, which names that signal;
 - a process that fails makes the parent stop the others (a process left
-  alone would wait in its next all-reduce) and raise that failure; a parent
+  alone would wait in its next all-reduce) and raise that failure, as
+  one process would (its traceback printed; an exception that does not
+  pickle as a `TrainingError` naming its type); a parent
   killed outright leaves processes that stop as on SIGTERM, with a
   checkpoint (`follow_launcher`, and a broken pipe to the parent), and exit
   without a word: what they would send the parent is dropped.
@@ -246,7 +248,17 @@ def _kill(processes):
         process.wait(timeout=30)
 
 
-def _rebuilt(cls, message, attributes, trace):
+def _rebuilt(cls, message, attributes, trace, itself=None):
+    """The error a replica process reported (`replica_process._portable`): the
+    exception itself where it pickled and unpickles here, else `cls(message)`
+    with `attributes`; `replica_traceback` is its traceback in that process."""
+    if itself is not None:
+        try:
+            error = pickle.loads(itself)
+            error.replica_traceback = trace
+            return error
+        except Exception:  # noqa: BLE001 - a class this process cannot import or rebuild.
+            pass
     error = cls.__new__(cls)
     Exception.__init__(error, message)
     vars(error).update(attributes)
