@@ -49,8 +49,8 @@ class _StopAfter:
 
 
 def test_a_gan_resumed_mid_epoch_ends_where_the_uninterrupted_run_ends(tmp_path):
-    # torch's replica processes stop on a signal, not on this process's request
-    # (test_torch.py): there the run has one replica, in this process.
+    # torch's replica processes get this process's request every 50 ms, not at each
+    # chunk, so _StopAfter's count means other steps there: one replica, in this process.
     replicas = 1 if keras.backend.backend() == "torch" else 2
     _, whole = train("dcgan", replicas, tmp_path / "whole")
     with pytest.raises(Interrupted):

@@ -184,12 +184,17 @@ class Asked:
         return True
 
 
-def test_a_stop_object_of_the_caller_is_named_as_what_stopped_the_run(tmp_path, small_dataset):
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_stop_object_of_the_caller_is_named_as_what_stopped_the_run(
+        tmp_path, small_dataset, replicas):
+    # torch's 2 replica processes: "SIGTERM: stopped while the replica processes were
+    # joining, before the first step", where one process trains its first chunk and saves.
     with pytest.raises(training.Interrupted, match="^asked to stop: stopped after epoch 1; "
                                                    "run the same command") as stopped:
-        training.train_and_evaluate(config(tmp_path, "run", epochs=1), small_dataset,
-                                    log=lambda line: None, stop=Asked())
+        training.train_and_evaluate(config(tmp_path, "run", epochs=1, replicas=replicas),
+                                    small_dataset, log=lambda line: None, stop=Asked())
     assert stopped.value.signal_name is None and stopped.value.exit_status == 143
+    assert checkpoints.latest_checkpoint(str(tmp_path / "run"))
 
 
 class HalveABiasAtEpochBegin(keras.callbacks.Callback):

@@ -21,9 +21,10 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   `prepare_environment`): eager torch would otherwise fault its
   activations in again every step;
 - a stop request in the parent (`stop`, a signal, Ctrl-C) becomes the same
-  signal (SIGTERM for a stop no signal asked for) to every process: they
-  agree on a step, the chief checkpoints, and the parent raises the chief's
-  `Interrupted`, which names that signal;
+  signal to every process (SIGTERM for a stop object, once the processes
+  have joined): they agree on a step, the chief checkpoints, and the parent
+  raises the chief's `Interrupted`, which names that signal ("asked to
+  stop" for a stop object, as one process does);
 - a process that fails makes the parent stop the others (a process left
   alone would wait in its next all-reduce) and raise that failure, as
   one process would (its traceback printed; an exception that does not
@@ -111,7 +112,10 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
             process, pipe = _start(spec, payload)
             processes.append(process)
             pipes.append(pipe)
-        return _supervise(processes, pipes, log, stop)
+        try:
+            return _supervise(processes, pipes, log, stop)
+        except Interrupted as stopped:
+            raise _as_asked(stopped, stop) from None
     finally:
         _kill(processes)
         shutil.rmtree(folder, ignore_errors=True)  # kdist's own temporary folder.
@@ -169,8 +173,13 @@ def _start(spec, payload):
 
 
 def _supervise(processes, pipes, log, stop, forwarded=False):
+    """Passes on the chief's lines and a stop until every process has ended; returns
+    or raises their outcome (`_outcome`). A signal's stop goes on at once (SIGINT
+    and SIGTERM end a process that is still joining); a stop object's once the
+    chief has written its first line, after joining, so that the processes
+    stop after their first chunk of steps, with a checkpoint, as one process does."""
     reported, open_pipes = {}, dict(enumerate(pipes))
-    failed_at = None
+    failed_at, joined = None, False
     try:
         while open_pipes or any(p.poll() is None for p in processes):
             for pipe in connection.wait(list(open_pipes.values()), timeout=0.05):
@@ -181,12 +190,13 @@ def _supervise(processes, pipes, log, stop, forwarded=False):
                     del open_pipes[rank]
                     continue
                 if kind == "log":
+                    joined = True
                     log(value)
                 else:
                     reported[rank] = (kind, value)
             if not open_pipes:
                 time.sleep(0.05)
-            if stop and not forwarded:
+            if stop and not forwarded and (joined or getattr(stop, "signal_name", None)):
                 forwarded = _terminate(processes, getattr(stop, "signal_name", None))
             if failed_at is None and _failed(processes, reported):
                 failed_at = time.monotonic()
@@ -198,6 +208,17 @@ def _supervise(processes, pipes, log, stop, forwarded=False):
         _terminate(processes, "SIGINT")  # Every process checkpoints and stops; then report.
         return _supervise(processes, pipes, log, stop=None, forwarded=True)
     return _outcome(processes, reported)
+
+
+def _as_asked(stopped, stop):
+    """The processes' `Interrupted` as this process's run raises it: where a stop
+    object (no signal) stopped them, "asked to stop", not the SIGTERM that
+    carried it to them."""
+    carried = "SIGTERM: "
+    if (stop and getattr(stop, "signal_name", None) is None
+            and stopped.signal_name == "SIGTERM" and str(stopped).startswith(carried)):
+        return Interrupted(f"asked to stop: {str(stopped)[len(carried):]}")
+    return stopped
 
 
 def _failed(processes, reported):

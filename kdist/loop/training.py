@@ -71,8 +71,10 @@ def train_and_evaluate(
             and `Interrupted` ("asked to stop: stopped at epoch 1, step
             6; saved ..."). With several workers, every worker stops after
             the same step when any one's `stop` is true. With torch's
-            replica processes this process reads it: a callback, which runs
-            in those processes, stops training with `model.stop_training`.
+            replica processes this process reads it every 50 ms once they
+            have joined and passes it on (`kdist.loop.replicas`); a callback,
+            which runs in those processes, stops training with
+            `model.stop_training`.
         callbacks: `keras.callbacks.Callback`s (or None), called as `fit` calls them
             (`kdist.loop.hooks`): `model.stop_training = True` ends training
             after the current chunk of steps (on every worker), with a
