@@ -63,11 +63,11 @@ def spoiled(field):
 
 def expected(kind, field):
     if kind == "arrays":  # Checked as a whole, before anything is built.
-        return {"x": r"kdist.Inputs: train input 263 holds NaN or infinity \(1 such",
+        return {"x": r"kdist.Inputs: train input \(example 263\) holds nan \(1 such",
                 "y": r"the train data: label 7 \(example 263\) is not a class of the model, "
                      r"which has 4 \(0..3\)",
-                "sample weight": r"kdist.Inputs: train sample weight 263 holds NaN or "
-                                 r"infinity"}[field]
+                "sample weight": r"kdist.Inputs: train sample weight \(example 263\) holds "
+                                 r"inf \(1 such"}[field]
     # tf.data and TFRecords are read several global batches at a time, TFRecord files
     # in an order of their own: the batch and row are counted as kdist reads them.
     where, row = ("the train data: batch 5", "13") if kind not in ("tf.data", "TFRecords") \

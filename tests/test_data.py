@@ -1,5 +1,6 @@
 """Fashion-MNIST loading (offline first, checked headers) and batching."""
 
+import dataclasses
 import gzip
 import os
 import struct
@@ -174,7 +175,7 @@ def _corrupt(dataset, how):
     ("train label 10", r"toy: train label 10 \(example 17\) is not a class of the model, "
                        r"which has 10 \(0..9\)"),
     ("test label -1", r"toy: test label -1 \(example 3\) is not a class"),
-    ("NaN", "toy: train input 5 holds NaN or infinity"),
+    ("NaN", r"toy: train input \(example 5\) holds nan \(1 such examples\)"),
     ("fewer labels", r"toy: train arrays differ in length \(x 512, y 511\)"),
     ("empty test set", "toy: the test set is empty"),
 ])
@@ -188,3 +189,17 @@ def test_bad_data_is_one_error_before_training(tmp_path, small_dataset, how, mes
         training.train_and_evaluate(config, _corrupt(small_dataset, how), log=lines.append)
     assert lines == []  # Not even the banner: nothing ran.
     assert not os.path.exists(tmp_path / "ck") or not os.listdir(tmp_path / "ck")
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_a_split_of_x_alone_is_one_usage_error_before_training(tmp_path, small_dataset, split):
+    # y=None was the backend's own ValueError from deep in building, worded per backend.
+    from kdist.loop import training
+
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=16, steps_per_epoch=2,
+                                  checkpoint_dir=str(tmp_path / "ck"))
+    dataset = dataclasses.replace(small_dataset, **{f"{split}_y": None})
+    with pytest.raises(UsageError, match=f"the {split} set has no labels \\(y is None\\); "
+                                         "kdist reads y with every batch"):
+        training.train_and_evaluate(config, dataset, log=lambda line: None)
+    assert not os.path.exists(tmp_path / "ck")

@@ -17,7 +17,7 @@ import numpy as np
 
 from kdist.errors import DataError, UsageError
 from kdist.inputs.base import SizedSource, Stream, eval_steps
-from kdist.inputs.batching import check_class_labels
+from kdist.inputs.batching import X_ALONE, check_class_labels
 from kdist.tree import Arrays, leaves, num_examples, take_rows
 
 
@@ -90,6 +90,8 @@ def check_dataset(dataset):
 
 def check_split(source, split, x, y, sample_weight):
     """`check_dataset` for one split's arrays; `source` names the data in errors."""
+    if y is None and x is not None:
+        raise UsageError(f"{source}: the {split} set has no labels (y is None); {X_ALONE}")
     parts = [("x", x), ("y", y), ("sample weight", sample_weight)]
     lengths = [(name, len(a)) for name, part in parts for a in leaves(part)]
     if not lengths:
@@ -105,8 +107,10 @@ def check_split(source, split, x, y, sample_weight):
             if np.issubdtype(values.dtype, np.inexact) and not np.isfinite(values.sum()):
                 bad = np.flatnonzero(~np.isfinite(values.reshape(len(values), -1)).all(axis=1))
                 if len(bad):
-                    raise DataError(f"{source}: {split} {name} {bad[0]} holds NaN or "
-                                    f"infinity ({len(bad)} such examples)")
+                    row = values[bad[0]].reshape(-1)
+                    value = row[~np.isfinite(row)][0]
+                    raise DataError(f"{source}: {split} {name} (example {bad[0]}) holds "
+                                    f"{value} ({len(bad)} such examples)")
 
 
 def check_labels(dataset, num_classes, splits=("train", "test")):
