@@ -133,16 +133,21 @@ def test_launcher_refuses_bad_bounds_before_any_worker_starts(capsys, monkeypatc
     assert captured.out == ""
 
 
-@pytest.mark.parametrize("program", ["nosuchcmd", "./nosuchcmd", sys.executable + ".d"])
+@pytest.mark.parametrize("command, problem", [
+    (["nosuchcmd"], "nosuchcmd: command not found"),
+    (["./nosuchcmd"], "./nosuchcmd: command not found"),
+    ([sys.executable + ".d"], f"{sys.executable}.d: command not found"),
+    (["./nothere.py"], "./nothere.py: no such file"),  # Both workers started and failed.
+    ([sys.executable, "nothere.py"], "nothere.py: no such file")])
 def test_launcher_refuses_a_command_not_found_before_any_worker_starts(capsys, monkeypatch,
-                                                                       program):
+                                                                       command, problem):
     no_workers(monkeypatch)
     with pytest.raises(SystemExit) as exit_:
-        launch.main(["--workers", "2", "--", program, "--epochs", "1"])
+        launch.main(["--workers", "2", "--", *command, "--epochs", "1"])
     assert exit_.value.code == 2
     captured = capsys.readouterr()
     assert [line for line in captured.err.splitlines() if "error" in line] == [
-        f"kdist-launch: error: {program}: command not found"], captured.err
+        f"kdist-launch: error: {problem}"], captured.err
     assert captured.out == ""
 
 

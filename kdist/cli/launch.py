@@ -19,6 +19,7 @@ are usage errors (exit 2) before any worker starts. Imports no framework.
 
 
 import argparse
+import os
 import shutil
 import signal
 import sys
@@ -65,9 +66,11 @@ def main(argv=None):
     if given:
         parser().error("the launcher tells each worker its peers and index itself; drop "
                        f"{' and '.join(given)} after --")
-    program = worker_command(train_args)[0]
+    program, *rest = worker_command(train_args)
     if shutil.which(program) is None:  # Not on PATH, or a path to no executable file.
         parser().error(f"{program}: command not found")
+    if rest[:1] and rest[0].endswith(".py") and not os.path.isfile(rest[0]):
+        parser().error(f"{rest[0]}: no such file")  # `python my_train.py`'s script.
     try:
         workers = start(args.workers, train_args)
     except OSError as e:  # An executable file that cannot run (no #! line, say).
