@@ -265,7 +265,8 @@ def test_unwritable_folder_fails_before_training(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     manager = checkpoints.CheckpointManager(str(blocker / "ckpts"))
-    with pytest.raises(checkpoints.CheckpointError, match="not writable"):
+    with pytest.raises(checkpoints.CheckpointError,  # Was "is not writable (Not a directory)".
+                       match=f"ckpts: {blocker} is a file, not a folder; pass --checkpoint-dir"):
         manager.prepare()
 
 

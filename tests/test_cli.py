@@ -471,7 +471,7 @@ def test_bench_feeds_each_input_kind_every_example(kind):
 
 
 @pytest.mark.any_backend  # Checked before any framework loads.
-def test_a_bad_tensorboard_folder_or_no_tensorboard_package_exits_2_before_any_work(
+def test_a_bad_output_folder_or_no_tensorboard_package_exits_2_before_any_work(
         tmp_path, capsys, monkeypatch):
     (tmp_path / "file").write_text("")
 
@@ -488,4 +488,10 @@ def test_a_bad_tensorboard_folder_or_no_tensorboard_package_exits_2_before_any_w
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     assert train(str(tmp_path / "tb")).endswith(
         "--tensorboard needs the tensorboard package: pip install 'kdist[tensorboard]'")
+    with pytest.raises(SystemExit) as exit_:  # Was exit 1 after the frameworks loaded,
+        # "checkpoint folder ... is not writable (File exists)".
+        train_cli.main(["--synthetic", "600", "--checkpoint-dir", str(tmp_path / "file")])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(
+        f"--checkpoint-dir {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a folder")
 

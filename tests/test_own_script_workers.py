@@ -223,7 +223,8 @@ def test_a_kdist_error_in_your_script_is_one_line(tmp_path):
     assert result.returncode == 1, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert lines == [result.stderr.strip().splitlines()[-1]], result.stderr
-    assert lines[0].startswith(f"error: checkpoint folder {taken} is not writable")
+    assert lines[0].startswith(f"error: checkpoint folder {taken}: {taken} is a file, not a "
+                               "folder")  # Was "is not writable (File exists)".
     assert "Traceback" not in result.stderr
 
 

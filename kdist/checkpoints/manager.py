@@ -52,6 +52,13 @@ class CheckpointManager:
         epoch. With `lock`, the folder's run lock is taken first (see
         `kdist.checkpoints.runlock`), so leftovers of a live run are never touched.
         """
+        existing = self.directory
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            raise CheckpointError(
+                f"checkpoint folder {self.directory}: {existing} is a file, not a folder; "
+                "pass --checkpoint-dir with a folder you can write")
         try:
             os.makedirs(self.directory, exist_ok=True)
             probe = os.path.join(self.directory, f"{_TMP_PREFIX}{os.getpid()}-probe")

@@ -10,7 +10,7 @@ import sys
 from typing import Any
 
 import kdist
-from kdist import config
+from kdist import checks, config
 from kdist.cli import common
 from kdist.cli.flags import add_config_flags, command_name, config_from_args
 from kdist.errors import UsageError
@@ -85,6 +85,7 @@ def _train(args, model_fn=None):
     supervised = follow_launcher(stop)  # Under kdist-launch: stop when it is gone.
     spec = common.cluster_spec(args)
     common.check_paths(args)
+    checks.check_output_folder(args.checkpoint_dir, "--checkpoint-dir")
     common.start(args, args.replicas)
     common.connect(spec, args.replicas)
     if model_file:  # After `start`: the file may import Keras.
