@@ -97,11 +97,19 @@ def teacher_flags(rest):
 def main(argv=None):
     extra = argparse.ArgumentParser(add_help=False)
     extra.add_argument("--teacher", metavar="CKPT",
-                       help="a kdist checkpoint of the tutorial CNN (default: train one first, "
-                            "with these flags, into CHECKPOINT_DIR/teacher)")
+                       help="a kdist checkpoint of the tutorial CNN, or a folder of them (the "
+                            "newest; default: train one first, with these flags, into "
+                            "CHECKPOINT_DIR/teacher)")
     argv = sys.argv[1:] if argv is None else list(argv)
     known, rest = extra.parse_known_args(argv)
     teacher = known.teacher
+    if teacher is not None:  # Before any training: one line, exit 2, for a wrong path.
+        found = kdist.latest_checkpoint(teacher) if os.path.isdir(teacher) else (
+            teacher if os.path.isfile(teacher) else None)
+        if found is None:
+            extra.error(f"--teacher {teacher}: no such file, nor a folder with a kdist "
+                        "checkpoint")
+        teacher = found
     if teacher is None and not {"-h", "--help"} & set(argv):
         flags, folder = teacher_flags(rest)
         status = train.main(flags)

@@ -344,6 +344,19 @@ def test_a_model_file_whose_function_builds_no_compiled_model_is_one_line(tmp_pa
     assert message in capsys.readouterr().err.splitlines()[-1]
 
 
+def test_a_teacher_path_without_a_checkpoint_is_one_line_before_training(tmp_path, capsys):
+    # A missing file was a 59-line h5py traceback after the frameworks built the model;
+    # a folder of checkpoints, Keras' "File format not supported".
+    for path in (tmp_path / "nothere.h5", tmp_path):
+        with pytest.raises(SystemExit) as exit_:
+            load("distillation").main(["--teacher", str(path), "--synthetic", "600",
+                                       "--checkpoint-dir", str(tmp_path / "student")])
+        assert exit_.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].endswith(
+            f"error: --teacher {path}: no such file, nor a folder with a kdist checkpoint")
+    assert not (tmp_path / "student").exists()
+
+
 @pytest.mark.parametrize("name, flag", [("dcgan", "--grid PNG"),
                                         ("distillation", "--teacher CKPT")])
 def test_an_examples_help_shows_its_own_flags_and_its_commands_as_written(name, flag, capsys):
