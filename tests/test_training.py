@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import shutil
+import threading
 
 import h5py
 import keras
@@ -195,6 +196,18 @@ def test_a_stop_object_of_the_caller_is_named_as_what_stopped_the_run(
                                     small_dataset, log=lambda line: None, stop=Asked())
     assert stopped.value.signal_name is None and stopped.value.exit_status == 143
     assert checkpoints.latest_checkpoint(str(tmp_path / "run"))
+
+
+def test_an_event_as_the_stop_object_stops_the_run_once_it_is_set(tmp_path, small_dataset):
+    # A threading.Event, always true as a bool, stopped every run at its first chunk.
+    event = threading.Event()
+    result = training.train_and_evaluate(config(tmp_path, "unset", epochs=1), small_dataset,
+                                         log=lambda line: None, stop=event)
+    assert len(result.epochs) == 1 and not result.stopped_by_callback
+    event.set()
+    with pytest.raises(training.Interrupted, match="^asked to stop: stopped after epoch 1"):
+        training.train_and_evaluate(config(tmp_path, "set", epochs=2), small_dataset,
+                                    log=lambda line: None, stop=event)
 
 
 class HalveABiasAtEpochBegin(keras.callbacks.Callback):

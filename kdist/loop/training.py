@@ -66,7 +66,8 @@ def train_and_evaluate(
             (per-example losses, y_pred)` (see `kdist.step`); the compiled
             loss is then not used, the compiled metrics still are.
         log: called with each line to print.
-        stop: if it becomes true (e.g. a `kdist.workers.interrupt.StopRequest`),
+        stop: if it becomes true (e.g. a `kdist.workers.interrupt.StopRequest`;
+            a `threading.Event` once it is set),
             training ends after the current chunk of steps with a checkpoint
             and `Interrupted` ("asked to stop: stopped at epoch 1, step
             6; saved ..."). With several workers, every worker stops after

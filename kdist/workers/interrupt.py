@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 from kdist.workers.processes import LAUNCHER_VARIABLE, STOP_SIGNALS, follow_launcher
 
@@ -68,7 +69,9 @@ def stop_on_signals(stop: StopRequest, escalate: bool = True) -> Iterator[StopRe
 
 @contextlib.contextmanager
 def stop_of_run(stop: object, several_workers: bool) -> Iterator[object]:
-    """The stop request a library run acts on: `stop` where the caller gives one.
+    """The stop request a library run acts on: `stop` where the caller gives one
+    (an Event, `threading`'s or `multiprocessing`'s, once it is set: as a bool
+    an Event is always true).
 
     Else, for a run of several workers or a process a kdist launcher started,
     the run's own `StopRequest`: SIGINT, SIGTERM and SIGHUP set it for the
@@ -80,12 +83,22 @@ def stop_of_run(stop: object, several_workers: bool) -> Iterator[object]:
     launched = bool(os.environ.get(LAUNCHER_VARIABLE))
     main_thread = threading.current_thread() is threading.main_thread()
     if stop is not None or not (several_workers or launched) or not main_thread:
-        yield stop
+        yield _WhenSet(stop) if callable(getattr(stop, "is_set", None)) else stop
         return
     own = StopRequest()
     supervised = follow_launcher(own)
     with stop_on_signals(own, escalate=not supervised):
         yield own
+
+
+class _WhenSet:
+    """An Event read as a stop request: true once it is set."""
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+
+    def __bool__(self) -> bool:
+        return bool(self.event.is_set())
 
 
 def retake_signals() -> None:
