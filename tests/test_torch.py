@@ -190,6 +190,14 @@ class HoldsALock(Exception):
         self.lock = threading.Lock()
 
 
+class NeedsTwo(Exception):
+    """An exception whose constructor takes other arguments than its `args`."""
+
+    def __init__(self, message, code=7):
+        super().__init__(f"code {code}: {message}")
+        self.code = code
+
+
 def failing(log, stop, error):
     """Process 1 fails; process 0 would wait forever in a collective without it."""
     engine = engines.create_engine()
@@ -200,6 +208,7 @@ def failing(log, stop, error):
 
 @pytest.mark.parametrize("error, raised, match", [
     (RuntimeError, RuntimeError, "^replica 1 broke$"),  # As one process raises it.
+    (NeedsTwo, NeedsTwo, "^code 7: replica 1 broke$"),
     (HoldsALock, TrainingError, "^HoldsALock: replica 1 broke$")])
 def test_a_failing_process_stops_the_others_with_its_error(error, raised, match):
     # A replica's own ValueError (a callback's) reached the caller as a TrainingError.
@@ -208,6 +217,8 @@ def test_a_failing_process_stops_the_others_with_its_error(error, raised, match)
         replicas.run(2, failing, {"error": error})
     assert time.monotonic() - start < replicas.GRACE_SECONDS + 60
     assert type(caught.value) is raised
+    if raised is NeedsTwo:  # Its attributes too.
+        assert vars(caught.value)["code"] == 7
     assert 'raise error("replica 1 broke")' in caught.value.replica_traceback
 
 

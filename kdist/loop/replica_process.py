@@ -104,15 +104,15 @@ class _ParentPipe:
 
 def _portable(error):
     """(class, message, attributes, traceback, pickled) of `error`: a kdist error
-    comes back as itself; any other with its traceback, as itself where it
-    pickles (`pickled`, its cloudpickle bytes; else None), as a TrainingError
-    with its type and message where it does not."""
+    comes back as itself; any other with its traceback, as itself where its
+    class, arguments and attributes pickle (`pickled`, their cloudpickle bytes;
+    else None), as a TrainingError with its type and message where they do not."""
     if isinstance(error, KdistError):
         return type(error), str(error), dict(vars(error)), None, None
     itself = None
     if isinstance(error, Exception):  # Not an exit or a KeyboardInterrupt.
         try:
-            itself = cloudpickle.dumps(error)
+            itself = cloudpickle.dumps((type(error), error.args, dict(vars(error))))
         except Exception:  # noqa: BLE001 - what does not pickle comes as a TrainingError.
             pass
     return (TrainingError, f"{type(error).__name__}: {error}", {},

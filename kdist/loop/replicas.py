@@ -27,8 +27,8 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   stop" for a stop object, as one process does);
 - a process that fails makes the parent stop the others (a process left
   alone would wait in its next all-reduce) and raise that failure, as
-  one process would (its traceback printed; an exception that does not
-  pickle as a `TrainingError` naming its type); a parent
+  one process would (its traceback printed; an exception whose class or
+  attributes do not pickle as a `TrainingError` naming its type); a parent
   killed outright leaves processes that stop as on SIGTERM, with a
   checkpoint (`follow_launcher`, and a broken pipe to the parent), and exit
   without a word: what they would send the parent is dropped.
@@ -271,14 +271,18 @@ def _kill(processes):
 
 def _rebuilt(cls, message, attributes, trace, itself=None):
     """The error a replica process reported (`replica_process._portable`): the
-    exception itself where it pickled and unpickles here, else `cls(message)`
-    with `attributes`; `replica_traceback` is its traceback in that process."""
+    exception itself where its class, arguments and attributes came pickled
+    (made again without calling its `__init__`, as its arguments may not be
+    the constructor's), else `cls(message)` with `attributes`;
+    `replica_traceback` is its traceback in that process."""
     if itself is not None:
         try:
-            error = pickle.loads(itself)
-            error.replica_traceback = trace
+            kind, args, attributes = pickle.loads(itself)
+            error = kind.__new__(kind, *args)
+            error.args = args
+            vars(error).update(attributes, replica_traceback=trace)
             return error
-        except Exception:  # noqa: BLE001 - a class this process cannot import or rebuild.
+        except Exception:  # noqa: BLE001 - a class this process cannot import or make.
             pass
     error = cls.__new__(cls)
     Exception.__init__(error, message)
