@@ -138,7 +138,8 @@ def test_launcher_refuses_bad_bounds_before_any_worker_starts(capsys, monkeypatc
     (["./nosuchcmd"], "./nosuchcmd: command not found"),
     ([sys.executable + ".d"], f"{sys.executable}.d: command not found"),
     (["./nothere.py"], "./nothere.py: no such file"),  # Both workers started and failed.
-    ([sys.executable, "nothere.py"], "nothere.py: no such file")])
+    ([sys.executable, "nothere.py"], "nothere.py: no such file"),
+    (["python", "-u", "nothere.py"], "nothere.py: no such file")])
 def test_launcher_refuses_a_command_not_found_before_any_worker_starts(capsys, monkeypatch,
                                                                        command, problem):
     no_workers(monkeypatch)
@@ -250,7 +251,10 @@ def test_tensorflow_needs_srun_to_lay_tasks_out_node_by_node():
 @pytest.mark.parametrize("args, command", [
     (["--epochs", "1"], [*TRAIN, "--epochs", "1"]),
     (["my_train.py", "--epochs", "1"], [sys.executable, "my_train.py", "--epochs", "1"]),
-    (["python3", "my_train.py"], ["python3", "my_train.py"]),
+    # `python` ran PATH's, which may lack kdist (a venv not activated).
+    (["python", "my_train.py"], [sys.executable, "my_train.py"]),
+    (["python3", "-u", "my_train.py"], [sys.executable, "-u", "my_train.py"]),
+    (["python3.11", "my_train.py"], ["python3.11", "my_train.py"]),
 ])
 def test_the_launcher_runs_kdist_train_a_script_or_a_command(args, command):
     assert worker_command(args) == command

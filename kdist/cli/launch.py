@@ -3,7 +3,8 @@
 `kdist-launch --workers 2 -- --synthetic --epochs 1` starts `python -m kdist`
 (kdist-train, with the launcher's Python, environment and folder) with those
 flags; `kdist-launch --workers 2 -- python my_train.py ARGS` starts any command
-(a first word ending in .py runs with the launcher's Python). It picks free
+(`python`, `python3` or a first word ending in .py runs with the launcher's
+Python, whatever PATH holds). It picks free
 loopback ports and tells each worker its cluster in `KDIST_PEERS` and
 `KDIST_WORKER_INDEX`, which kdist-train and `kdist.connect` (called by
 `kdist.train_and_evaluate`) read. It prints each worker's output lines
@@ -42,7 +43,8 @@ def parser():
         description="Start N training workers on this machine (127.0.0.1, free ports), on "
                     "the backend chosen by KERAS_BACKEND. After --: kdist-train's flags, or "
                     "a command such as `python my_train.py ARGS` (a script that calls "
-                    "kdist.train_and_evaluate or kdist.connect). Each worker learns its "
+                    "kdist.train_and_evaluate or kdist.connect; python runs as the launcher's "
+                    "Python). Each worker learns its "
                     "place from KDIST_PEERS and KDIST_WORKER_INDEX.")
     p.add_argument("--workers", type=int, required=True, help="number of worker processes")
     p.add_argument("--timeout", type=positive(float), default=24 * 3600.0,
@@ -69,8 +71,10 @@ def main(argv=None):
     program, *rest = worker_command(train_args)
     if shutil.which(program) is None:  # Not on PATH, or a path to no executable file.
         parser().error(f"{program}: command not found")
-    if rest[:1] and rest[0].endswith(".py") and not os.path.isfile(rest[0]):
-        parser().error(f"{rest[0]}: no such file")  # `python my_train.py`'s script.
+    script = next((a for a in rest if not a.startswith("-")), "") if program == sys.executable \
+        else ""
+    if script.endswith(".py") and not os.path.isfile(script):  # `python my_train.py`'s.
+        parser().error(f"{script}: no such file")
     try:
         workers = start(args.workers, train_args)
     except OSError as e:  # An executable file that cannot run (no #! line, say).

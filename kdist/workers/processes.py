@@ -145,10 +145,13 @@ def cores_per_process():
 
 def worker_command(args):
     """What each worker runs: `args` where it names a program (`python train.py
-    ...`; a first word ending in .py runs with this Python), else kdist-train
-    with `args` as its flags."""
+    ...`; `python` or `python3`, or a first word ending in .py, runs with this
+    Python, the one kdist is installed in, whatever PATH holds), else
+    kdist-train with `args` as its flags."""
     if not args or args[0].startswith("-"):
         return [*TRAIN, *args]
+    if args[0] in ("python", "python3"):
+        return [sys.executable, *args[1:]]
     return [sys.executable, *args] if args[0].endswith(".py") else list(args)
 
 
