@@ -18,6 +18,7 @@ import keras
 from keras import layers, ops
 
 import kdist
+from kdist import checkpoints
 from kdist.cli import train
 
 
@@ -109,6 +110,10 @@ def main(argv=None):
         if found is None:
             extra.error(f"--teacher {teacher}: no such file, nor a folder with a kdist "
                         "checkpoint")
+        try:
+            checkpoints.read_metadata(found)
+        except Exception:  # noqa: BLE001 - h5py and Keras raise several types.
+            extra.error(f"--teacher {found}: not a kdist checkpoint")
         teacher = found
     if teacher is None and not {"-h", "--help"} & set(argv):
         flags, folder = teacher_flags(rest)

@@ -347,13 +347,16 @@ def test_a_model_file_whose_function_builds_no_compiled_model_is_one_line(tmp_pa
 def test_a_teacher_path_without_a_checkpoint_is_one_line_before_training(tmp_path, capsys):
     # A missing file was a 59-line h5py traceback after the frameworks built the model;
     # a folder of checkpoints, Keras' "File format not supported".
-    for path in (tmp_path / "nothere.h5", tmp_path):
+    (tmp_path / "notes.txt").write_text("not a checkpoint")  # Keras' ValueError before.
+    for path, problem in ((tmp_path / "nothere.h5", "no such file, nor a folder with a kdist "
+                           "checkpoint"), (tmp_path, "no such file, nor a folder with a kdist "
+                           "checkpoint"), (tmp_path / "notes.txt", "not a kdist checkpoint")):
         with pytest.raises(SystemExit) as exit_:
             load("distillation").main(["--teacher", str(path), "--synthetic", "600",
                                        "--checkpoint-dir", str(tmp_path / "student")])
         assert exit_.value.code == 2
         assert capsys.readouterr().err.splitlines()[-1].endswith(
-            f"error: --teacher {path}: no such file, nor a folder with a kdist checkpoint")
+            f"error: --teacher {path}: {problem}")
     assert not (tmp_path / "student").exists()
 
 
