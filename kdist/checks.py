@@ -89,13 +89,20 @@ def check_output_folder(path, name):
     """Raises UsageError unless `path` is a writable folder or can be created as one."""
     if path is None:
         return
-    existing = os.path.abspath(path)
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
+    existing = nearest_existing(path)
     if not os.path.isdir(existing):
         raise UsageError(f"{name} {path}: {existing} is a file, not a folder")
     if not os.access(existing, os.W_OK):
         raise UsageError(f"{name} {path}: {existing} is not writable")
+
+
+def nearest_existing(path):
+    """`path`, made absolute, or its nearest ancestor that exists: where that is a
+    file, `path` cannot be made as a folder."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    return existing
 
 
 def check_writable_file(path, name):

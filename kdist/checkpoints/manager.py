@@ -10,7 +10,7 @@ import shutil
 import tempfile
 import warnings
 
-from kdist import hints
+from kdist import checks, hints
 from kdist.checkpoints import ckptfile, runlock
 from kdist.checkpoints.reading import (
     CheckpointWarning,
@@ -52,9 +52,7 @@ class CheckpointManager:
         epoch. With `lock`, the folder's run lock is taken first (see
         `kdist.checkpoints.runlock`), so leftovers of a live run are never touched.
         """
-        existing = self.directory
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
+        existing = checks.nearest_existing(self.directory)
         if not os.path.isdir(existing):
             raise CheckpointError(
                 f"checkpoint folder {self.directory}: {existing} is a file, not a folder; "
