@@ -222,6 +222,29 @@ def test_a_failing_process_stops_the_others_with_its_error(error, raised, match)
     assert 'raise error("replica 1 broke")' in caught.value.replica_traceback
 
 
+_SCRIPT = """from kdist import engines
+
+
+def fails(log, stop):
+    engine = engines.create_engine()
+    if engine.shard[0] == 1:
+        raise ValueError("replica 1 broke")
+    engine.any_worker(False)
+"""
+
+
+def test_a_replicas_traceback_names_the_file_and_line_of_a_scripts_own_function(tmp_path):
+    # cloudpickle sends a script's functions by value, and named their file <dynamic-code>.
+    script = tmp_path / "my_train.py"
+    script.write_text(_SCRIPT)
+    namespace = {"__name__": "__main__"}  # As `python my_train.py` runs it.
+    exec(compile(_SCRIPT, str(script), "exec"), namespace)
+    with pytest.raises(ValueError, match="^replica 1 broke$") as caught:
+        replicas.run(2, namespace["fails"], {})
+    assert f'File "{script}", line 7, in fails' in caught.value.replica_traceback
+    assert 'raise ValueError("replica 1 broke")' in caught.value.replica_traceback
+
+
 def test_torchrun_variables_describe_the_process_group():
     spec = cluster.from_flags_and_env(environ=dict(
         RANK="1", WORLD_SIZE="2", MASTER_ADDR="10.0.0.5", MASTER_PORT="29500"),

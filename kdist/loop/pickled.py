@@ -8,11 +8,18 @@ variables its `exclude_from_weight_decay` named. Made inside `model_fn`, which
 each replica process calls, such objects never travel; made outside it and
 captured, each replica would train with settings other than the caller's,
 silently. `dumps` refuses them, naming what would change.
+
+The code of a function sent by value (one of a script's own) travels through
+`marshal`, as Python's own `.pyc` files keep it: cloudpickle names its file
+`<dynamic-code>`, and a traceback from a replica process would not name the
+script's file and lines.
 """
 
 import io
+import marshal
 import pickle
 import re
+import types
 
 import cloudpickle
 import keras
@@ -34,6 +41,8 @@ def dumps(value):
 
 class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj):
+        if isinstance(obj, types.CodeType):  # (The replica processes run this Python.)
+            return marshal.loads, (marshal.dumps(obj),)
         if isinstance(obj, _CHECKED):
             _refuse_changed(obj)
         elif isinstance(obj, keras.Model):

@@ -7,8 +7,9 @@ building run (`kdist.step.program.Program.build`) calls the step,
 `watching` records each call that code outside Keras, kdist, the frameworks
 and Python's standard library (the step, its helpers, its layers) makes into
 TensorFlow, JAX or torch, with the file and line it comes from. Only calls
-it writes count: not the operators (`a + b` runs the framework's own
-addition), attributes or special methods (`__getattr__` of a torch module).
+it writes count, a framework's class it makes (`tf.GradientTape()`) too: not
+the operators (`a + b` runs the framework's own addition), attributes or
+other special methods (`__getattr__` of a torch module).
 The real steps run unwatched.
 """
 
@@ -16,6 +17,7 @@ import bisect
 import contextlib
 import dis
 import sys
+import types
 
 FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
 _NOT_YOURS = FRAMEWORKS + ("keras", "kdist", "numpy", "ml_dtypes", "optree", "absl")
@@ -64,9 +66,12 @@ def watching():
             if event == "c_call":  # A builtin may call the framework's operators for you.
                 in_builtin.add(id(caller))
             return
+        if name == "__init__":  # A framework's class made by your call: `tf.GradientTape()`.
+            name = getattr(frame.f_code, "co_qualname", name).removesuffix(".__init__")
         if name.startswith("__") or id(caller) in in_builtin or not called(caller):
             return  # A special method, an operator, or a builtin's doing.
-        found.append((f"{callee}.{name}", caller.f_code.co_filename, caller.f_lineno))
+        function = (_wrapped(frame) if event == "call" else None) or f"{callee}.{name}"
+        found.append((function, caller.f_code.co_filename, caller.f_lineno))
 
     previous = sys.getprofile()
     sys.setprofile(profile)
@@ -74,3 +79,15 @@ def watching():
         yield found
     finally:
         sys.setprofile(previous)
+
+
+def _wrapped(frame):
+    """The framework's function that the wrapper running in `frame` closes over
+    (a decorator's, as JAX's `api_boundary` wraps `jax.value_and_grad`), as
+    "module.name"; None where it closes over none."""
+    for free in frame.f_code.co_freevars:
+        inner = frame.f_locals.get(free)
+        module = getattr(inner, "__module__", None) or ""
+        if isinstance(inner, types.FunctionType) and module.split(".")[0] in FRAMEWORKS:
+            return f"{module}.{inner.__qualname__}"
+    return None

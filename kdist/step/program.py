@@ -66,6 +66,8 @@ class Program:
         if own and compute_loss is not None:
             raise UsageError("compute_loss= is for a model compiled for fit; a model with its "
                              "own train_step computes its loss there")
+        refusals.refuse_other_arguments(
+            model, [name for name in ("train_step", "test_step") if defines(model, name)])
         self.steps: dict[str, Any] = {
             "train": model.train_step if own else (
                 lambda data: compiled.train_step(model, data, compute_loss)),
@@ -131,9 +133,13 @@ class Program:
             with engine.scope():
                 tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
                 watch: Any = portable.watching() if own else contextlib.nullcontext([])
-                with watch as calls, step_optimizer.refusing_unknown(self.optimizers), \
-                        step_logs.results_recorded(self.metrics) as returned_as:
-                    logs, _ = self._call(context, phase, tensors + ((),))
+                try:
+                    with watch as calls, step_optimizer.refusing_unknown(self.optimizers), \
+                            step_logs.results_recorded(self.metrics) as returned_as:
+                        logs, _ = self._call(context, phase, tensors + ((),))
+                except Exception as error:  # A framework's call first, where it failed.
+                    refusals.refuse_framework_calls(phase, calls, cause=error)
+                    raise
             refusals.refuse_framework_calls(phase, calls)
             self.names[phase] = list(logs)
             # A key is a metric's where its value is that metric's `result()`; where

@@ -3,6 +3,8 @@ a metric kdist cannot merge, a step that calls a framework directly, returns
 what kdist cannot average, or changes a variable kdist would not keep.
 `kdist.step.program.Program` calls them while it builds."""
 
+import inspect
+
 from keras import ops
 
 from kdist.errors import UsageError
@@ -47,14 +49,36 @@ def refuse_non_scalar_log(phase, name, value):
             "metrics")
 
 
-def refuse_framework_calls(phase, calls):
-    """A step that called a framework's own function (`portable.watching`)."""
+_GRADIENTS = {"GradientTape", "gradient", "grad", "value_and_grad", "backward", "vjp"}
+
+
+def refuse_other_arguments(model, names):
+    """A model's own step (each of `names`) that cannot be called as `step(data)`,
+    as kdist calls it on every backend: the stateless `train_step(self, state,
+    data)` that Keras' `fit` calls on JAX, for one."""
+    for name in names:
+        step = getattr(model, name)
+        try:
+            inspect.signature(step).bind(None)
+        except TypeError:
+            raise UsageError(
+                f"{type(model).__name__}.{name} takes {inspect.signature(step)}; kdist calls "
+                f"{name}(data) on every backend (Keras' fit on JAX calls {name}(state, "
+                "data)): write it with keras.ops, kdist.value_and_grad and "
+                "optimizer.apply, its state in the model's variables") from None
+
+
+def refuse_framework_calls(phase, calls, cause=None):
+    """A step that called a framework's own function (`portable.watching`); `cause`,
+    what the step raised after it, if anything, is chained."""
     if calls:
         function, path, line = calls[0]
+        gradients = any(found.rsplit(".", 1)[-1] in _GRADIENTS for found, _, _ in calls)
         raise UsageError(
             f"the {phase}_step calls {function} ({path}:{line}); write a step with "
             "keras, keras.ops and kdist's primitives only, so that it runs on every "
-            "backend")
+            "backend" + ("; take gradients with kdist.value_and_grad and apply them with "
+                         "optimizer.apply" if gradients else "")) from cause
 
 
 def refuse_outside(phase, context, known):
