@@ -301,6 +301,29 @@ def test_a_keras_backup_and_restore_is_refused_before_any_work(tmp_path, small_d
     assert not (tmp_path / "run").exists()
 
 
+def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
+        tmp_path, small_dataset, monkeypatch):
+    # A checkpoint folder under a file was refused after the engine was made (on torch
+    # with several replicas, after the replica processes had started, 9 s here).
+    def started(*args, **kwargs):
+        raise AssertionError("the run started work")
+
+    monkeypatch.setattr(training.engines, "create_engine", started)
+    monkeypatch.setattr(training.replicas, "run", started)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for overrides, error, match in [
+            (dict(checkpoint_dir=str(blocker / "ck")), checkpoints.CheckpointError,
+             f"{blocker} is a file, not a folder"),
+            (dict(metrics_file=str(blocker / "m.jsonl")), kdist.UsageError,
+             "which is not an existing folder"),
+            (dict(tensorboard=str(blocker / "tb")), kdist.UsageError,
+             f"{blocker} is a file, not a folder")]:
+        with pytest.raises(error, match=match):
+            run(config(tmp_path, "run", **overrides), small_dataset)
+    assert not (tmp_path / "run").exists()
+
+
 def test_callbacks_none_or_one_callback_are_taken_as_fit_takes_them(tmp_path, small_dataset):
     # None was a TypeError ('NoneType' object is not iterable).
     seen = []

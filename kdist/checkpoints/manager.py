@@ -45,6 +45,16 @@ class CheckpointManager:
         self.keep = keep
         self.lock = runlock.RunLock(self.directory)
 
+    def check(self):
+        """Raises CheckpointError where the folder cannot be made as a folder or
+        written, making nothing: `train_and_evaluate` runs it before any work."""
+        existing = checks.nearest_existing(self.directory)
+        problem = ("is a file, not a folder" if not os.path.isdir(existing)
+                   else "is not writable" if not os.access(existing, os.W_OK) else None)
+        if problem:
+            raise CheckpointError(f"checkpoint folder {self.directory}: {existing} {problem}; "
+                                  "pass --checkpoint-dir with a folder you can write")
+
     def prepare(self, lock=False, break_lock=False):
         """Creates the folder, proves it is writable, optionally locks it, removes leftovers.
 
@@ -52,11 +62,7 @@ class CheckpointManager:
         epoch. With `lock`, the folder's run lock is taken first (see
         `kdist.checkpoints.runlock`), so leftovers of a live run are never touched.
         """
-        existing = checks.nearest_existing(self.directory)
-        if not os.path.isdir(existing):
-            raise CheckpointError(
-                f"checkpoint folder {self.directory}: {existing} is a file, not a folder; "
-                "pass --checkpoint-dir with a folder you can write")
+        self.check()
         try:
             os.makedirs(self.directory, exist_ok=True)
             probe = os.path.join(self.directory, f"{_TMP_PREFIX}{os.getpid()}-probe")

@@ -17,7 +17,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from kdist import checks, engines, hints
+from kdist import checkpoints, checks, engines, hints
 from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (importable here)
 from kdist.engines import joining
 from kdist.errors import LOST_WORKERS, Interrupted, TrainingError, WorkerLost  # noqa: F401 (importable here)
@@ -97,6 +97,10 @@ def train_and_evaluate(
     if class_weight is not None:
         dataset = arrays.with_class_weight(dataset, class_weight)
     joining.join_from_environment()  # Several workers: a script under a cluster's launcher.
+    if engines.is_chief():  # Its output paths, before any work: only the chief writes.
+        checkpoints.CheckpointManager(config.checkpoint_dir).check()
+        checks.check_metrics_file(config.metrics_file, "metrics_file")
+        checks.check_tensorboard(config.tensorboard, "tensorboard")
     with kept.global_state_kept():  # Seeds and, on JAX, the distribution: the caller's after.
         return _run(config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss, log, stop,
                     callbacks)
@@ -140,10 +144,7 @@ def _train(run, log, stop, callbacks):
     `stop` is an `AgreedStop`. Returns a `TrainingResult` with the trained weights."""
     config, dataset = run.config, run.dataset
     chief = run.engine.is_chief  # With several workers, only the chief reports and writes.
-    if chief:
-        checks.check_metrics_file(config.metrics_file, "metrics_file")
-        checks.check_tensorboard(config.tensorboard, "tensorboard")
-    else:
+    if not chief:
         log = _quiet
     banner = reporting.banner(run.engine, config, run.global_batch, run.steps, dataset,
                               run.note, run.train_chunk)
