@@ -24,8 +24,9 @@ class EpochRecord:
     samples_per_sec: float | None
     # Train steps the optimizer skipped (non-finite gradients under dynamic loss scaling).
     skipped_steps: int = 0
-    # What callbacks added to the epoch's logs ("learning_rate", say; `kdist.loop.hooks`).
-    extra: dict[str, float | str] = dataclasses.field(default_factory=dict)
+    # What callbacks added to the epoch's logs ("learning_rate", say; `kdist.loop.hooks`)
+    # or changed there; None for a key they removed.
+    extra: dict[str, float | str | None] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """{"epoch", "train_<name>"..., "test_<name>"..., "seconds", "samples_per_sec",

@@ -185,7 +185,8 @@ def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit
 
 class Reader(keras.callbacks.Callback):
     """A user's callback that reads the model's metrics and `model.history`, as
-    plotting callbacks do, and changes the logs: a value scaled, text added."""
+    plotting callbacks do, and changes the logs: a value scaled, text added, a
+    value removed in odd epochs."""
 
     def __init__(self):
         super().__init__()
@@ -202,12 +203,15 @@ class Reader(keras.callbacks.Callback):
             k: list(v) for k, v in getattr(self.model.history, "history", {}).items()}))
         logs["val_loss"] *= 10
         logs["note"] = f"epoch {epoch}"
+        if epoch % 2:
+            del logs["val_accuracy"]
 
 
 def test_a_callback_reads_the_metrics_and_history_and_changes_the_logs_as_in_fit(tmp_path):
     """The metrics read 0.0 in every call (kdist's steps keep their state apart),
     `model.history` was None, a changed log value left the history as it was, and
-    text in the logs raised a bare ValueError at the epoch's end."""
+    text in the logs raised a bare ValueError at the epoch's end; a removed value
+    stayed in the history."""
     made = {}
 
     def callbacks(side):
@@ -219,6 +223,7 @@ def test_a_callback_reads_the_metrics_and_history_and_changes_the_logs_as_in_fit
     assert history.history.pop("note") == result.history.pop("note")
     assert_same_run(result, reference, history)
     assert result.history["val_loss"][0] > 5 * result.history["loss"][0]  # Scaled by 10.
+    assert len(result.history["val_accuracy"]) == (EPOCHS + 1) // 2  # Even epochs' only.
     ours, theirs = made["kdist"][0].seen, made["fit"][0].seen
     assert [call[0] for call in ours] == [call[0] for call in theirs]
     for mine, fits in zip(ours, theirs, strict=True):

@@ -134,13 +134,18 @@ class Hooks:
         self.totals = None  # `fit` resets the metrics before.
         self._call("on_epoch_begin", epoch, keep=keep)
 
-    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> dict[str, float | str]:
+    def epoch_end(self, epoch: int, logs: dict[str, Any]) -> dict[str, float | str | None]:
         """Returns what the callbacks added to `logs` ("learning_rate", say) or
         changed in them, as in `fit`, where later callbacks and the `History` see
-        them: numbers and text (kdist records them in checkpoints and metrics files)."""
+        them: numbers and text (kdist records them in checkpoints and metrics
+        files), and None for each key they removed (`History` then has none)."""
+        if not self.active:  # No callback: nothing changed.
+            return {}
         self._call("on_epoch_end", epoch, logs)
-        return {k: _recorded(k, v) for k, v in self._logs.logs.items()
-                if k not in logs or not _same(v, logs[k])}
+        after = self._logs.logs
+        return {**{k: _recorded(k, v) for k, v in after.items()
+                   if k not in logs or not _same(v, logs[k])},
+                **{k: None for k in logs if k not in after}}
 
     def test_begin(self) -> None:
         self.totals = None

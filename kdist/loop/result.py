@@ -71,6 +71,8 @@ def keras_history(records: tuple[EpochRecord, ...]) -> dict[str, list[float | st
 
 def epoch_logs(record: EpochRecord, extra: bool = True) -> dict[str, float | str]:
     """An epoch's results under the names `fit` gives its callbacks' logs, with what
-    callbacks added to them if `extra` (`on_train_end` gets them without)."""
-    return {**record.train, **{f"val_{k}": v for k, v in record.test.items()},
+    callbacks added, changed or removed there if `extra` (`on_train_end` gets
+    them without)."""
+    logs = {**record.train, **{f"val_{k}": v for k, v in record.test.items()},
             **(record.extra if extra else {})}
+    return {k: v for k, v in logs.items() if v is not None}
