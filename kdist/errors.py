@@ -91,12 +91,14 @@ class Interrupted(KdistError, RuntimeError):
 
     `signal_name` is the signal this process received ("SIGTERM", ...), or
     None when another worker's signal, or the `stop` object given to
-    `train_and_evaluate`, stopped it.
+    `train_and_evaluate`, stopped it. `where` says where the run stopped and
+    what it saved (the message after its cause), or None before any step.
     """
 
-    def __init__(self, message, signal_name=None):
+    def __init__(self, message, signal_name=None, where=None):
         super().__init__(message)
         self.signal_name = signal_name
+        self.where = where
 
     @property
     def exit_status(self) -> int:

@@ -214,10 +214,9 @@ def _as_asked(stopped, stop):
     """The processes' `Interrupted` as this process's run raises it: where a stop
     object (no signal) stopped them, "asked to stop", not the SIGTERM that
     carried it to them."""
-    carried = "SIGTERM: "
     if (stop and getattr(stop, "signal_name", None) is None
-            and stopped.signal_name == "SIGTERM" and str(stopped).startswith(carried)):
-        return Interrupted(f"asked to stop: {str(stopped)[len(carried):]}")
+            and stopped.signal_name == "SIGTERM" and stopped.where is not None):
+        return Interrupted(f"asked to stop: {stopped.where}", where=stopped.where)
     return stopped
 
 

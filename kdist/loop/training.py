@@ -257,8 +257,8 @@ def _interrupted(stop, position, path):
     where = (f"stopped at epoch {position.epoch + 1}, step {position.step_in_epoch}; "
              f"saved {path}" if position.step_in_epoch else
              f"stopped after epoch {position.epoch}")
-    return Interrupted(f"{stop.reason()}: {where}; run the same command to resume",
-                       stop.signal_name)
+    where += "; run again with the same settings to resume"
+    return Interrupted(f"{stop.reason()}: {where}", stop.signal_name, where)
 
 
 def _quiet(line):
