@@ -114,12 +114,15 @@ def test_a_bad_batch_stops_training_before_its_step_and_writes_nothing(tmp_path,
     ("sparse_categorical_crossentropy", True),
     (keras.losses.SparseCategoricalCrossentropy(from_logits=True), True),
     (keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=-1), False),
-    ("mse", False)])
+    ("mse", False),
+    # A list or dict of the one output's loss was not checked: on JAX it trained on.
+    ([keras.losses.SparseCategoricalCrossentropy(from_logits=True)], True),
+    ({"dense": "sparse_categorical_crossentropy"}, True)])
 def test_labels_are_checked_as_classes_only_for_a_loss_that_reads_class_indices(loss, refused):
     # Two outputs; targets -1 (ignored) and 0..9: counts for MSE, not classes.
     x = np.zeros((6, 3), np.float32)
     y = np.array([[-1], [0], [9], [1], [2], [3]], np.int32)
-    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, name="dense")])
     model.compile(optimizer="sgd", loss=loss)
     prepared = sources.prepare(kdist.Dataset(x, y if loss == "mse" else y[:, 0], x, y[:, 0],
                                              "labels"))
@@ -128,6 +131,26 @@ def test_labels_are_checked_as_classes_only_for_a_loss_that_reads_class_indices(
             building.check_labels(prepared, model)
     else:
         building.check_labels(prepared, model)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_one_output_unit_under_a_sparse_cross_entropy_is_refused(tmp_path, compiled):
+    # Its loss is 0 for every label: on JAX a run (kdist's or fit's) trained nothing,
+    # silently, whether the user compiled it so or kdist compiled it with its default.
+    def binary():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        if compiled:
+            model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy")
+        return model
+
+    x = np.zeros((32, 3), np.float32)
+    y = np.arange(32) % 2
+    with pytest.raises(kdist.UsageError, match=r"has one output unit \(shape \(None, 1\)\), "
+                       "and its loss, a sparse categorical cross-entropy, needs one per class"):
+        kdist.train_and_evaluate(kdist.TrainConfig(epochs=1, batch_size_per_replica=16, replicas=1,
+                                                   checkpoint_dir=str(tmp_path / "run")),
+                                 kdist.Dataset(x, y, x, y), model_fn=binary,
+                                 log=lambda line: None)
 
 
 def test_each_splits_labels_are_checked_whatever_the_others_dtype():

@@ -214,8 +214,16 @@ def check_labels(prepared, model, splits=("train", "test")):
     loss reads its targets as class indices (`_takes_class_indices`): integer
     targets may be counts for another loss."""
     shape = getattr(model, "output_shape", None)
-    if not (isinstance(shape, tuple) and len(shape) >= 2 and (shape[-1] or 0) > 1
+    if not (isinstance(shape, tuple) and len(shape) >= 2
             and _takes_class_indices(getattr(model, "loss", None))):
+        return
+    if shape[-1] == 1:  # Its loss is 0 for every target: nothing trains.
+        raise UsageError(
+            f"model {model.name!r} has one output unit (shape {shape}), and its loss, a "
+            "sparse categorical cross-entropy, needs one per class: with one class its "
+            "loss is always 0; give the output a unit per class, or, for two classes "
+            "(labels 0 and 1), compile it with loss=\"binary_crossentropy\"")
+    if not shape[-1]:
         return
     dataset = prepared.arrays
     if dataset is None:
@@ -230,7 +238,9 @@ def check_labels(prepared, model, splits=("train", "test")):
 def _takes_class_indices(loss):
     """Whether the compiled `loss` is a sparse categorical cross-entropy, whose
     targets are class indices, none of them ignored (`ignore_class`: any
-    target may then be the ignored value)."""
+    target may then be the ignored value); a list or dict of one loss is that loss."""
+    if isinstance(loss, (list, tuple, dict)) and len(loss) == 1:
+        loss = next(iter(loss.values() if isinstance(loss, dict) else loss))
     if isinstance(loss, keras.losses.SparseCategoricalCrossentropy):
         return loss.get_config().get("ignore_class") is None
     name = loss if isinstance(loss, str) else getattr(loss, "__name__", None)
