@@ -48,6 +48,10 @@ def check_config(config):
     check_positive(config.checkpoint_every_minutes, "checkpoint_every_minutes", kind=float,
                    optional=True)
     check_seed(config.seed)
+    for name in ("checkpoint_dir", "metrics_file", "tensorboard"):
+        path = getattr(config, name)
+        if not (isinstance(path, str) and path) and (path is not None or name == "checkpoint_dir"):
+            raise UsageError(f"{name} must be a path (text or a pathlib.Path), got {path!r}")
     if config.precision is not None:
         check_precision(config.precision)
 

@@ -14,6 +14,8 @@ when called).
 """
 
 import dataclasses
+import numbers
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -94,6 +96,16 @@ class TrainConfig:
                "it)")
 
     def __post_init__(self):
+        for field in dataclasses.fields(self):  # NumPy's numbers as Python's, paths as text.
+            value = getattr(self, field.name)
+            if isinstance(value, bool) or type(value) in (int, float, str):
+                continue
+            if isinstance(value, numbers.Integral):  # np.int64(16), read from an array.
+                setattr(self, field.name, int(value))
+            elif isinstance(value, numbers.Real) and "float" in str(field.type):
+                setattr(self, field.name, float(value))
+            elif isinstance(value, os.PathLike):
+                setattr(self, field.name, os.fspath(value))
         checks.check_config(self)
 
 

@@ -1,5 +1,6 @@
 """Limits of a run's settings: bad values refused up front, oversized chunks capped."""
 
+import numpy as np
 import pytest
 from test_training import config
 
@@ -17,10 +18,27 @@ from kdist.runtime.startup import UsageError
     ("keep", 0, "keep must be a whole number greater than 0"),
     ("learning_rate", float("inf"), "learning_rate must be a finite number greater than 0"),
     ("steps_per_execution", 2.5, "steps_per_execution must be a whole number"),
+    ("epochs", np.float32(2.0), r"epochs must be a whole number greater than 0, got "
+                                r"np.float32\(2.0\)"),
+    # Was Python's TypeError from os.path, naming no setting.
+    ("checkpoint_dir", None, r"checkpoint_dir must be a path \(text or a pathlib.Path\), "
+                             "got None"),
+    ("metrics_file", "", "metrics_file must be a path"),
 ])
 def test_train_config_refuses_values_out_of_range(tmp_path, field, value, message):
     with pytest.raises(UsageError, match=message):
         config(tmp_path, "ck", **{field: value})
+
+
+@pytest.mark.any_backend
+def test_train_config_takes_numpy_numbers_and_paths_as_pythons(tmp_path):
+    # NumPy's whole numbers were refused: "must be a whole number greater than 0, got
+    # np.int64(16)"; they reach the checkpoints' JSON as Python's.
+    made = config(tmp_path, "ck", batch_size_per_replica=np.int64(16), epochs=np.int32(2),
+                  learning_rate=np.float32(0.5), seed=np.uint32(7), checkpoint_dir=tmp_path)
+    assert [(type(v), v) for v in (made.batch_size_per_replica, made.epochs,
+                                   made.learning_rate, made.seed, made.checkpoint_dir)] == [
+        (int, 16), (int, 2), (float, 0.5), (int, 7), (str, str(tmp_path))]
 
 
 @pytest.mark.any_backend  # Refused before the model is built or the file read.
