@@ -9,6 +9,7 @@ line that names the setting and what to change.
 import importlib.util
 import math
 import os
+import sys
 
 from kdist.errors import UsageError
 from kdist.precision import check_precision
@@ -21,6 +22,18 @@ def check_seed(seed, name="seed"):
     low, high = SEED_RANGE
     if isinstance(seed, bool) or not isinstance(seed, int) or not low <= seed <= high:
         raise UsageError(f"{name} must be a whole number in {low}..{high}, got {seed!r}")
+
+
+def check_model_fn(model_fn, name="model_fn"):
+    """Raises UsageError unless `model_fn` is a function to call, not a Keras model
+    (a model is callable too: calling it with no inputs fails in Keras)."""
+    keras = sys.modules.get("keras")  # A model exists only once Keras is imported.
+    if keras is not None and isinstance(model_fn, keras.Model):
+        raise UsageError(f"{name} is the model {model_fn.name!r} itself; pass the function "
+                         "that builds it (kdist calls it in its engine's scope)")
+    if not callable(model_fn):
+        raise UsageError(f"{name} must be a function that builds the model, got "
+                         f"{type(model_fn).__name__}")
 
 
 def check_positive(value, name, kind=int, optional=False):

@@ -52,15 +52,17 @@ def test_train_config_takes_numpy_numbers_and_paths_as_pythons(tmp_path):
     (dict(batch_size=True), "batch_size must be a whole number greater than 0, got True"),
     (dict(seed=-1), "seed must be a whole number in 0..4294967295, got -1"),
     (dict(path=None), "no checkpoint to evaluate: path is None .*latest_checkpoint"),
+    (dict(model_fn=3), "model_fn must be a function that builds the model, got int"),
 ])
 def test_evaluate_checkpoint_refuses_bad_arguments_before_any_work(tmp_path, small_dataset,
                                                                     arguments, message):
     def model_fn():
         raise AssertionError("the model was built before the arguments were checked")
 
-    arguments = dict(dict(path=str(tmp_path / "missing.weights.h5")), **arguments)
+    arguments = dict(dict(path=str(tmp_path / "missing.weights.h5"), model_fn=model_fn),
+                     **arguments)
     with pytest.raises(UsageError, match=message):
-        evaluate_checkpoint(dataset=small_dataset, model_fn=model_fn, **arguments)
+        evaluate_checkpoint(dataset=small_dataset, **arguments)
 
 
 def test_the_largest_seed_trains(tmp_path, small_dataset):

@@ -352,6 +352,9 @@ def test_kdist_train_and_evaluate_take_your_compiled_model_from_a_file(tmp_path,
     ("def model():\n    pass\n", "{path}:build", "defines no function build()"),
     ("def model(size):\n    pass\n", "{path}", "calls model() with no arguments"),
     (None, "kdist_no_such_module:build", "no such file, nor a module Python can import"),
+    # A model where the function goes: Keras' "missing a required argument: 'inputs'".
+    ("import keras\nbuild = keras.Sequential([keras.Input((784,)), keras.layers.Dense(10)])\n",
+     "{path}:build", "build is a model, not a function: define build() that builds"),
 ])
 def test_model_file_mistakes_are_one_line(tmp_path, capsys, command, text, spec, message):
     from kdist.cli import evaluate

@@ -324,6 +324,17 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_any_work(
     assert not (tmp_path / "run").exists()
 
 
+def test_a_model_where_model_fn_goes_is_refused_before_any_work(tmp_path, small_dataset):
+    # Keras' "missing a required argument: 'inputs'", from the replica processes on torch.
+    model = keras.Sequential([keras.Input((28, 28)), keras.layers.Flatten(),
+                              keras.layers.Dense(10)])
+    with pytest.raises(kdist.UsageError, match=f"model_fn is the model '{model.name}' itself; "
+                                               "pass the function that builds it"):
+        training.train_and_evaluate(config(tmp_path, "run"), small_dataset, model_fn=model,
+                                    log=lambda line: None)
+    assert not (tmp_path / "run").exists()
+
+
 def test_callbacks_none_or_one_callback_are_taken_as_fit_takes_them(tmp_path, small_dataset):
     # None was a TypeError ('NoneType' object is not iterable).
     seen = []

@@ -228,6 +228,10 @@ def model_function(spec):
     except Exception as e:  # A file that does not run: one line, as for other flags.
         raise errors.UsageError(f"--model {spec} does not run: {type(e).__name__}: {e}") from e
     function = getattr(module, name, None)
+    keras = sys.modules.get("keras")
+    if keras is not None and isinstance(function, keras.Model):
+        raise errors.UsageError(f"--model {spec}: {name} is a model, not a function: define "
+                                f"{name}() that builds and returns it")
     if not callable(function):
         raise errors.UsageError(f"--model {spec} defines no function {name}() that builds "
                                 "the model")

@@ -51,6 +51,7 @@ def evaluate_checkpoint(
     argument raises `kdist.UsageError` before any work.
     """
     _check_arguments(path, batch_size, steps_per_execution, seed)
+    checks.check_model_fn(model_fn)
     if batch_size is None:
         batch_size = _global_batch_of(path)
     with kept.global_state_kept():  # The caller's random state, after the seeded build.

@@ -93,6 +93,7 @@ def train_and_evaluate(
     """
     engines.bound_exit()  # Failing before this run ends with the others' strands them.
     checks.check_config(config)
+    checks.check_model_fn(model_fn)
     callbacks = hooks.check_callbacks(callbacks)
     if class_weight is not None:
         dataset = arrays.with_class_weight(dataset, class_weight)
