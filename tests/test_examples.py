@@ -151,6 +151,21 @@ class _GuideStep(_Assigns):
         return {"loss": loss}
 
 
+class _NoGradients(_Assigns):
+    """A step that applies gradients it never took: the torch guide's `.grad`."""
+
+    def __init__(self):
+        super().__init__()
+        self.sgd = keras.optimizers.SGD(0.1)
+
+    def train_step(self, data):
+        variables = self.dense.trainable_variables
+        loss, _ = kdist.value_and_grad(
+            lambda: keras.ops.mean(self.dense(keras.ops.reshape(data[0], (-1, 784)))), variables)
+        self.sgd.apply([None] * len(variables), variables)
+        return {"loss": loss}
+
+
 class _StatelessStep(_Assigns):
     """The form of step Keras' fit calls on JAX: train_step(state, data)."""
 
@@ -233,6 +248,9 @@ class _InnerOptimizer(_Assigns):
     (_GuideStep, r"the train_step calls (tensorflow|jax|torch)\S* \(.*test_examples.py:\d+\); "
                  r".*; take gradients with kdist.value_and_grad and apply them with "
                  r"optimizer.apply$"),
+    # Trained nothing, silently (Keras' apply raises "No gradients provided").
+    (_NoGradients, r"the step applies SGD with no gradient for any of its 2 variables \(each "
+                   r"is None\): take them with kdist.value_and_grad"),
     (_StatelessStep, r"_StatelessStep.train_step takes \(state, data\); kdist calls "
                      r"train_step\(data\) on every backend"),  # Was Python's TypeError.
 ])

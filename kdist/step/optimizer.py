@@ -258,6 +258,12 @@ def route_apply(optimizer):
             raise context.refusal
         if trainable_variables is not None:
             pairs = [(g, v) for g, v in zip(grads, trainable_variables) if g is not None]
+            if not pairs and trainable_variables:  # Keras: "No gradients provided".
+                raise UsageError(
+                    f"the step applies {type(optimizer).__name__} with no gradient for any "
+                    f"of its {len(trainable_variables)} variables (each is None): take them "
+                    "with kdist.value_and_grad (a backend's own, such as a torch "
+                    "variable's .grad, are not there in a kdist step)")
             grads, trainable_variables = [g for g, _ in pairs], [v for _, v in pairs]
         if context.dry:
             if trainable_variables is None and not optimizer.built:
