@@ -3,7 +3,9 @@
 and each model's losses in a step that calls two."""
 
 import dataclasses
+import gc
 import os
+import types
 
 import keras
 import numpy as np
@@ -16,7 +18,7 @@ from kdist import engines
 from kdist.inputs import arrays
 from kdist.loop import chunks
 from kdist.models import losses
-from kdist.step import context
+from kdist.step import context, portable
 from kdist.step.compiled import build_metrics
 from kdist.step.program import Program
 
@@ -1042,3 +1044,24 @@ def test_a_loss_logged_after_the_update_reads_alike_on_every_replica_thread(tmp_
             "reduce_values", "scale_loss_for_distribution")] + [loss_module.Loss.__call__]
     for key in ("after", "weighted"):
         assert histories[1][key] == pytest.approx(histories[0][key], rel=1e-5), key
+
+
+class _Made:
+    """An object of a Python class: making one allocates while the caller is at its call."""
+
+
+@pytest.mark.any_backend
+def test_the_watch_over_a_step_ignores_what_pythons_collector_calls():
+    # JAX's gc callback (every backend imports JAX), run by the collector from the
+    # step's frame, was taken for the step's call: a correct step was refused.
+    fake = types.FunctionType((lambda phase, info: None).__code__, {"__name__": "jax._src.lib"})
+    threshold = gc.get_threshold()
+    gc.callbacks.append(fake)
+    gc.set_threshold(1)  # The collector runs at nearly every call.
+    try:
+        with portable.watching() as found:
+            kept = [_Made() for _ in range(2000)]  # Alive: the collector's count grows.
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(fake)
+    assert found == [] and len(kept) == 2000

@@ -4,8 +4,9 @@ which framework functions the step's own code calls.
 A step runs on TensorFlow, JAX and torch only if its code calls `keras`,
 `keras.ops` and kdist's primitives, never a framework itself. While the
 building run (`kdist.step.program.Program.build`) calls the step,
-`watching` records each call that code outside Keras, kdist, the frameworks
-and Python's standard library (the step, its helpers, its layers) makes into
+`watching` records each call that code outside Keras, kdist, the frameworks,
+Python's standard library and installed packages (the step, its helpers, its
+layers) makes into
 TensorFlow, JAX or torch, with the file and line it comes from. Only calls
 it writes count, a framework's class it makes (`tf.GradientTape()`) too: not
 the operators (`a + b` runs the framework's own addition), attributes or
@@ -16,11 +17,15 @@ The real steps run unwatched.
 import bisect
 import contextlib
 import dis
+import gc
+import re
 import sys
 import types
 
 FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
 _NOT_YOURS = FRAMEWORKS + ("keras", "kdist", "numpy", "ml_dtypes", "optree", "absl")
+# An installed library's code (SciPy, einops): what it calls in a framework is its own doing.
+_INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
 
 
 @contextlib.contextmanager
@@ -28,6 +33,8 @@ def watching():
     """Yields a list that fills with (function, file, line) of each framework call
     made from your code while the context is open (this thread)."""
     found: list[tuple[str, str, int]] = []
+    # Python's collector calls these from whatever frame runs (JAX registers one).
+    collector = {getattr(c, "__code__", None) for c in gc.callbacks}
     opcodes: dict = {}  # Per code object: its instructions' (offsets, names).
     in_builtin: set[int] = set()  # Your frames inside a call to a builtin (sum, sorted).
 
@@ -46,13 +53,16 @@ def watching():
 
     def yours(frame):
         package = frame.f_globals.get("__name__", "").split(".")[0]
-        return package not in _NOT_YOURS and package not in sys.stdlib_module_names
+        return (package not in _NOT_YOURS and package not in sys.stdlib_module_names
+                and not _INSTALLED.search(frame.f_code.co_filename))
 
     def profile(frame, event, arg):
         if event in ("c_return", "c_exception"):
             in_builtin.discard(id(frame))
             return
         if event == "call":
+            if frame.f_code in collector:
+                return
             callee, name, caller = frame.f_globals.get("__name__", ""), frame.f_code.co_name, \
                 frame.f_back
         elif event == "c_call":

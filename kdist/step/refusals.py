@@ -49,7 +49,8 @@ def refuse_non_scalar_log(phase, name, value):
             "metrics")
 
 
-_GRADIENTS = {"GradientTape", "gradient", "grad", "value_and_grad", "backward", "vjp"}
+_GRADIENTS = {"GradientTape", "gradient", "grad", "value_and_grad", "backward", "vjp",
+              "zero_grad"}
 
 
 def refuse_other_arguments(model, names):
