@@ -109,6 +109,16 @@ class _WrongGradient(_Assigns):
         return {"loss": loss}
 
 
+class _ForwardOutside(_Assigns):
+    """A step whose forward pass runs before the loss that is differentiated."""
+
+    def train_step(self, data):
+        y_pred = self.dense(keras.ops.reshape(data[0], (-1, 784)))
+        loss, _ = kdist.value_and_grad(lambda: keras.ops.mean(y_pred),
+                                       self.dense.trainable_variables)
+        return {"loss": loss}
+
+
 class _BackendOp(_Assigns):
     """A step that calls the backend's own framework."""
 
@@ -236,6 +246,7 @@ class _InnerOptimizer(_Assigns):
                      r"once on zeros of the shapes it takes, then its reset_state\(\)"),
     (_InnerOptimizer, r"applies the inner optimizer \(SGD\) of the model's LossScaleOptimizer"),
     (_WrongGradient, "reads none of the variables"),
+    (_ForwardOutside, "reads none of the variables"),  # torch: autograd's RuntimeError.
     (_TwoSubsets, r"applies SGD to '\w+/kernel', which it was not built on"),
     (_Unbuilt, r"kdist.value_and_grad with respect to nothing \(an empty list\): a layer "
                "has variables once it is built"),

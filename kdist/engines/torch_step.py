@@ -36,8 +36,12 @@ class Primitives(step_context.Primitives):
                 source.requires_grad_(True)
             with torch.enable_grad():
                 value = fn(*leaves)
-                grads = torch.autograd.grad(loss_of(value), sources + leaves,
-                                            allow_unused=True, create_graph=context.depth > 1)
+                loss = loss_of(value)
+                # A loss that reads nothing differentiated (its forward pass ran before):
+                # no gradient, as TensorFlow's and JAX's give (`kdist.value_and_grad` says).
+                grads = (torch.autograd.grad(loss, sources + leaves, allow_unused=True,
+                                             create_graph=context.depth > 1)
+                         if loss.requires_grad else [None] * len(sources + leaves))
         finally:
             for source in frozen:
                 source.requires_grad_(False)
