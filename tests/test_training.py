@@ -101,18 +101,25 @@ def test_non_finite_loss_stops_and_keeps_checkpoints(tmp_path, small_dataset):
     assert {name: (folder / name).read_bytes() for name in os.listdir(folder)} == before
 
 
-def test_a_non_finite_loss_inside_a_chunk_is_named_at_its_step(tmp_path, small_dataset):
-    """4 steps to a compiled chunk; only step 3's loss overflows (sample weights of 1e38,
-    finite input): the error names step 3, and no epoch line or checkpoint follows."""
+@pytest.mark.parametrize("bad, message", [
+    (3, "Checkpoints written before stay valid; training diverged: try a lower learning rate"),
+    # The first step's said so too, where no learning rate is the cause.
+    (1, "It is not finite at the starting weights: check the model, its loss and the data")])
+def test_a_non_finite_loss_inside_a_chunk_is_named_at_its_step(tmp_path, small_dataset, bad,
+                                                                message):
+    """4 steps to a compiled chunk; only step `bad`'s loss overflows (sample weights of
+    1e38, finite input): the error names that step, and no epoch line or checkpoint
+    follows."""
     x, y = small_dataset.train_x, small_dataset.train_y
 
     def batches():
         for i in range(6):
-            weights = np.full(32, 1e38 if i == 2 else 1.0, np.float32)
+            weights = np.full(32, 1e38 if i == bad - 1 else 1.0, np.float32)
             yield x[i * 32:(i + 1) * 32], y[i * 32:(i + 1) * 32], weights
 
     lines = []
-    with pytest.raises(training.TrainingError, match="non-finite loss at epoch 1, step 3;"):
+    with pytest.raises(training.TrainingError,
+                       match=f"non-finite loss at epoch 1, step {bad}; stopping. {message}"):
         training.train_and_evaluate(
             config(tmp_path, "run", epochs=1, steps_per_execution=4),
             Inputs(batches, (small_dataset.test_x, small_dataset.test_y)), log=lines.append)

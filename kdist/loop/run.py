@@ -212,6 +212,17 @@ class Run:
         return due
 
 
+def _diverged(first):
+    """What to do about a non-finite loss, at the run's `first` step or later."""
+    if first:  # Nothing has trained: the optimizer is not the cause.
+        return ("It is not finite at the starting weights: check the model, its loss and "
+                "the data (kdist refuses NaN and infinity in the data, not values too large "
+                "for the model)")
+    return ("Checkpoints written before stay valid; training diverged: try a lower "
+            "learning rate (--learning-rate, or that of the optimizer your model is "
+            "compiled with)")
+
+
 def step_callback(step, epoch, first_step, global_batch, progress, calls):
     """`on_step` for `run_steps`: checks every step's loss, then once per chunk
     draws `progress` (a `reporting.ProgressBar`, or None) and calls the callbacks'
@@ -223,9 +234,9 @@ def step_callback(step, epoch, first_step, global_batch, progress, calls):
         skipped = float(stats["skipped"]) > 0  # As `fit`, a LossScaleOptimizer goes on.
         for name in step.scalar_keys:  # The loss, or what a step of your own returns.
             if not skipped and not math.isfinite(float(stats[f"{name}_sum"])):
-                raise TrainingError(
-                    f"non-finite {name} at epoch {epoch + 1}, step {step_in_epoch}; stopping. "
-                    "Checkpoints written before stay valid; try a lower --learning-rate")
+                raise TrainingError(f"non-finite {name} at epoch {epoch + 1}, step "
+                                    f"{step_in_epoch}; stopping. " + _diverged(
+                                        epoch == 0 and step_in_epoch == 1))
         if chunk_end and (progress is not None or calls.active):
             results = step.results(totals)
             if progress is not None:
