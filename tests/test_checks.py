@@ -103,3 +103,11 @@ def test_steps_per_epoch_above_the_data_is_capped_with_a_note(tmp_path, small_da
     batch_line = next(line for line in lines[0].splitlines() if line.startswith("Batch:"))
     assert "16 steps per epoch" in batch_line, batch_line
     assert (note in batch_line) if note else ("capped" not in batch_line), batch_line
+
+
+@pytest.mark.any_backend
+def test_evaluate_checkpoint_given_a_folder_names_latest_checkpoint(tmp_path, small_dataset):
+    # Was "CheckpointError: checkpoint ...: IsADirectoryError: [Errno 21] Is a directory".
+    with pytest.raises(UsageError, match=f"path {tmp_path} is a folder; pass a checkpoint file, "
+                                         r"such as its newest: kdist.latest_checkpoint\("):
+        evaluate_checkpoint(str(tmp_path), small_dataset)

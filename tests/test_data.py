@@ -11,6 +11,7 @@ import pytest
 from kdist.datasets import fashion_mnist
 from kdist.errors import DataError, UsageError
 from kdist.inputs import arrays
+from kdist.inputs.base import Inputs
 
 # Nothing here depends on the backend (Fashion-MNIST files and NumPy batching): one session runs it.
 pytestmark = pytest.mark.any_backend
@@ -202,4 +203,27 @@ def test_a_split_of_x_alone_is_one_usage_error_before_training(tmp_path, small_d
     with pytest.raises(UsageError, match=f"the {split} set has no labels \\(y is None\\); "
                                          "kdist reads y with every batch"):
         training.train_and_evaluate(config, dataset, log=lambda line: None)
+    assert not os.path.exists(tmp_path / "ck")
+
+
+def test_python_lists_where_arrays_go_are_one_usage_error_before_training(tmp_path,
+                                                                            small_dataset):
+    # A Dataset of lists was Python's TypeError ("object of type 'float' has no len()"),
+    # and Inputs of lists said it was "a tuple" where a tuple is what it takes.
+    from kdist.loop import training
+
+    config = training.TrainConfig(epochs=1, batch_size_per_replica=16, steps_per_epoch=2,
+                                  checkpoint_dir=str(tmp_path / "ck"))
+    x, y = small_dataset.train_x[:64], small_dataset.train_y[:64]
+    for dataset, match in (
+            (dataclasses.replace(small_dataset, train_x=x.tolist(), train_y=y.tolist()),
+             "the train x holds float values, not arrays; give NumPy arrays"),
+            (Inputs(train=(x.tolist(), y.tolist())),
+             "the train data holds float, int values, not arrays; give NumPy arrays")):
+        with pytest.raises(UsageError, match=match):
+            training.train_and_evaluate(config, dataset, log=lambda line: None)
+    with pytest.raises(DataError, match=r"batch 0 is a tuple of 1; every batch must be a "
+                                        r"tuple \(x, y\)"):  # Was "is a tuple; ...".
+        training.train_and_evaluate(config, Inputs(train=lambda: iter([(x[:16],)] * 4)),
+                                    log=lambda line: None)
     assert not os.path.exists(tmp_path / "ck")

@@ -649,3 +649,13 @@ def test_a_layer_keras_cannot_compile_is_named_on_jax_and_trains_elsewhere(tmp_p
     with pytest.raises(kdist.UsageError, match=r"could not be compiled by jax.jit \(IndexError: "
                        r".*\(supports_jit=False\): RandomCrop 'random_crop'\. kdist compiles"):
         training.train_and_evaluate(cfg, data, model_fn=cropping, log=lambda line: None)
+
+
+def test_a_compute_loss_that_returns_the_loss_alone_is_one_usage_error(tmp_path,
+                                                                       small_dataset):
+    # Was each backend's "iteration over a 0-d array / tensor" from kdist's own code.
+    with pytest.raises(kdist.UsageError, match=r"compute_loss returned one tensor; return "
+                                               r"\(per-example losses, y_pred\)"):
+        training.train_and_evaluate(
+            config(tmp_path, "run"), small_dataset, log=lambda line: None,
+            compute_loss=lambda model, x, y, training: keras.ops.mean(model(x)))

@@ -93,6 +93,11 @@ def check_split(source, split, x, y, sample_weight):
     if y is None and x is not None:
         raise UsageError(f"{source}: the {split} set has no labels (y is None); {X_ALONE}")
     parts = [("x", x), ("y", y), ("sample weight", sample_weight)]
+    for name, part in parts:
+        kinds = {type(a).__name__ for a in leaves(part) if not hasattr(a, "shape")}
+        if kinds:  # A Python list of numbers: its leaves are the numbers.
+            raise UsageError(f"{source}: the {split} {name} holds {', '.join(sorted(kinds))} "
+                             "values, not arrays; give NumPy arrays: numpy.asarray(values)")
     lengths = [(name, len(a)) for name, part in parts for a in leaves(part)]
     if not lengths:
         raise DataError(f"{source}: the {split} set has no arrays")

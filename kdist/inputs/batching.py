@@ -43,8 +43,10 @@ class BatchCheck:
         if isinstance(batch, list):
             batch = tuple(batch)
         if not isinstance(batch, tuple) or len(batch) not in (2, 3):
-            raise DataError(f"{self.what}: batch {index} is a {type(batch).__name__}; every "
-                            f"batch must be a tuple (x, y) or (x, y, sample_weight) ({X_ALONE})")
+            what = (f"a tuple of {len(batch)}" if isinstance(batch, tuple)
+                    else f"a {type(batch).__name__}")
+            raise DataError(f"{self.what}: batch {index} is {what}; every batch must be a "
+                            f"tuple (x, y) or (x, y, sample_weight) ({X_ALONE})")
         batch = tuple(tree.map_arrays(np.asarray, part) for part in batch)
         batch += (None,) * (3 - len(batch))
         lengths = [(name, a.shape[0] if a.ndim else None)

@@ -75,6 +75,12 @@ def source_for(given: Any, split: str) -> base.Source:
         raise UsageError(f"{what} is an iterator, which can be read only once; pass a "
                          "function that returns a new one for every epoch, e.g. "
                          f"{split}=lambda: my_batches()")
+    if isinstance(given, tuple) and any(not isinstance(a, np.ndarray)
+                                        for a in tree.leaves(given) if a is not None):
+        kinds = ", ".join(sorted({type(a).__name__ for a in tree.leaves(given)
+                                  if a is not None and not isinstance(a, np.ndarray)}))
+        raise UsageError(f"{what} holds {kinds} values, not arrays; give NumPy arrays (x, "
+                         "y[, sample_weight]): numpy.asarray(values)")
     raise UsageError(f"{what} is a {type(given).__name__}; kdist reads a batched "
                      "tf.data.Dataset or Grain MapDataset or IterDataset, a "
                      "keras.utils.PyDataset, a function returning an iterator of (x, y[, "

@@ -67,6 +67,9 @@ def _check_arguments(path, batch_size, steps_per_execution, seed):
     if not isinstance(path, (str, os.PathLike)):
         raise UsageError(f"no checkpoint to evaluate: path is {path!r} (kdist.latest_checkpoint "
                          "returns None for a folder that holds no valid checkpoint)")
+    if os.path.isdir(path):
+        raise UsageError(f"path {os.fspath(path)} is a folder; pass a checkpoint file, such "
+                         f"as its newest: kdist.latest_checkpoint({os.fspath(path)!r})")
     checks.check_positive(batch_size, "batch_size", optional=True)
     checks.check_positive(steps_per_execution, "steps_per_execution")
     checks.check_seed(seed)

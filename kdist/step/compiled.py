@@ -73,7 +73,14 @@ def _loss(model, x, y, weight, training, compute_loss):
                 "reduction other than 'none' (Keras' default is 'sum_over_batch_size'), "
                 "or pass compute_loss=fn returning per-example losses")
         return ops.cast(loss, "float32"), y_pred
-    per_example, y_pred = compute_loss(model, x, y, training)
+    returned = compute_loss(model, x, y, training)
+    if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
+        what = (f"a {type(returned).__name__} of {len(returned)}"
+                if isinstance(returned, (tuple, list))
+                else "one tensor" if ops.is_tensor(returned) else type(returned).__name__)
+        raise UsageError(f"compute_loss returned {what}; return (per-example losses, y_pred): "
+                         "kdist weighs and averages the losses itself")
+    per_example, y_pred = returned
     per_example = ops.cast(per_example, "float32")
     rows = ops.cast(ops.shape(data_leaves(x)[0])[0], "float32")
     data_sum = ops.sum(per_example if weight is None else
