@@ -152,6 +152,22 @@ def test_launcher_refuses_a_command_not_found_before_any_worker_starts(capsys, m
     assert captured.out == ""
 
 
+@pytest.mark.parametrize("flags, problem", [
+    (["--epochs", "0"], "argument --epochs: must be greater than 0, got 0"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag")])
+def test_launcher_refuses_kdists_own_flags_once_before_any_worker_starts(capsys, monkeypatch,
+                                                                          flags, problem):
+    # Each worker printed its usage and error, then the launcher repeated them: 41 lines.
+    no_workers(monkeypatch)
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["--workers", "2", "--", "--synthetic", *flags])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "error" in line] == [
+        f"kdist-launch ... --: error: {problem}"], captured.err
+    assert captured.err.count("usage:") == 1 and captured.out == ""
+
+
 def test_launcher_refuses_a_file_that_is_no_program(capsys, monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["/venv/bin/kdist-launch"])
     for mode in (0o644, 0o755):  # Not executable; executable without a #! line.

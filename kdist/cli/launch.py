@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 
+from kdist.cli import train
 from kdist.cli.flags import command_name, non_negative, positive
 from kdist.workers.processes import (
     STOP_SIGNALS,
@@ -68,6 +69,10 @@ def main(argv=None):
     if given:
         parser().error("the launcher tells each worker its peers and index itself; drop "
                        f"{' and '.join(given)} after --")
+    if flags or not train_args:  # kdist's own job: its flags' errors once, before any worker.
+        own = train.train_parser()
+        own.prog = f"{parser().prog} ... --"
+        own.parse_args(flags)
     program, *rest = worker_command(train_args)
     if shutil.which(program) is None:  # Not on PATH, or a path to no executable file.
         parser().error(f"{program}: command not found")
