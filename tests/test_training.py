@@ -198,7 +198,8 @@ def test_a_stop_object_of_the_caller_is_named_as_what_stopped_the_run(
     # torch's 2 replica processes: "SIGTERM: stopped while the replica processes were
     # joining, before the first step", where one process trains its first chunk and saves.
     with pytest.raises(training.Interrupted, match="^asked to stop: stopped after epoch 1; "
-                                                   "run the same command") as stopped:
+                                                   "run again with the same settings") \
+            as stopped:
         training.train_and_evaluate(config(tmp_path, "run", epochs=1, replicas=replicas),
                                     small_dataset, log=lambda line: None, stop=Asked())
     assert stopped.value.signal_name is None and stopped.value.exit_status == 143
@@ -378,7 +379,8 @@ def test_resume_with_fewer_steps_per_epoch_keeps_order_and_reports_the_epoch(
     run(config(tmp_path, "run", epochs=1, keep=3), small_dataset)
     lines = []  # The stop lands on a periodic checkpoint's step: one write names it.
     with pytest.raises(training.Interrupted, match=(
-            r"epoch 2, step 4; saved \S+ckpt-00000010.weights.h5; run the same command")):
+            r"epoch 2, step 4; saved \S+ckpt-00000010.weights.h5; run again with the same "
+            "settings")):
         training.train_and_evaluate(
             config(tmp_path, "run", epochs=3, keep=3, steps_per_execution=1,
                    checkpoint_every_steps=5), small_dataset, log=lines.append,
