@@ -86,6 +86,14 @@ class _Assigns(keras.Model):
         return {"loss": keras.ops.mean(self.dense(keras.ops.reshape(data[0], (-1, 784))))}
 
 
+class _WithSGD(_Assigns):
+    """A step's model that holds a plain SGD of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.sgd = keras.optimizers.SGD(0.1)
+
+
 class _UnbuiltMetric(_Assigns):
     """A step that updates an F1Score, whose variables Keras makes at its first update."""
 
@@ -131,13 +139,9 @@ class _BackendOp(_Assigns):
         return {"loss": mean(self.dense(keras.ops.reshape(data[0], (-1, 784))))}
 
 
-class _GuideStep(_Assigns):
+class _GuideStep(_WithSGD):
     """The step of Keras' guide "Customizing what happens in fit()" for the backend at
     hand: the backend's own gradients."""
-
-    def __init__(self):
-        super().__init__()
-        self.sgd = keras.optimizers.SGD(0.1)
 
     def train_step(self, data):
         x, variables = keras.ops.reshape(data[0], (-1, 784)), self.dense.trainable_variables
@@ -161,12 +165,8 @@ class _GuideStep(_Assigns):
         return {"loss": loss}
 
 
-class _NoGradients(_Assigns):
+class _NoGradients(_WithSGD):
     """A step that applies gradients it never took: the torch guide's `.grad`."""
-
-    def __init__(self):
-        super().__init__()
-        self.sgd = keras.optimizers.SGD(0.1)
 
     def train_step(self, data):
         variables = self.dense.trainable_variables
@@ -202,12 +202,8 @@ class _Unbuilt(keras.Model):
         return {"loss": loss}
 
 
-class _TwoSubsets(_Assigns):
+class _TwoSubsets(_WithSGD):
     """A step that applies one optimizer to one layer, then to another."""
-
-    def __init__(self):
-        super().__init__()
-        self.sgd = keras.optimizers.SGD(0.1)
 
     def train_step(self, data):
         x = keras.ops.reshape(data[0], (-1, 784))
