@@ -17,7 +17,9 @@ from kdist.workers import cluster, interrupt, processes
 
 
 def _usage(parser, error):
-    parser.error(str(error))  # The usage, then "PROG: error: ...": exit status 2.
+    # "PROG: error: ..." and exit status 2, as argparse; argparse's own flag errors
+    # print the usage first, a setting refused after parsing does not repeat it.
+    parser.exit(2, f"{parser.prog}: error: {error}\n")
 
 
 def _interrupted(parser, error):
