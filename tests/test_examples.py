@@ -416,6 +416,31 @@ def test_a_model_file_whose_function_builds_no_compiled_model_is_one_line(tmp_pa
     assert message in capsys.readouterr().err.splitlines()[-1]
 
 
+@pytest.mark.parametrize("build, problem", [
+    ("keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Flatten(), keras.layers.Dense(10)])",
+     "expected axis -1 of input shape to have value 3072"),
+    ("keras.Model(inputs := keras.Input((32, 32, 3)), keras.layers.Dense(10)(keras.layers.Flatten()"
+     "(inputs)))", "expected shape=(None, 32, 32, 3)"),
+])
+def test_a_model_built_for_other_inputs_is_one_line_naming_the_datas(tmp_path, capsys, build,
+                                                                     problem):
+    """Keras' ValueError was a 54-line traceback; the refusal then printed the usage."""
+    from kdist.cli import train as train_cli
+
+    path = tmp_path / "mine.py"
+    path.write_text(f"import keras\ndef model():\n    m = {build}\n    m.compile(optimizer='sgd', "
+                    "loss='sparse_categorical_crossentropy')\n    return m\n")
+    with pytest.raises(SystemExit) as exit_:
+        train_cli.main(["--checkpoint-dir", str(tmp_path / "ckpt"), "--synthetic", "240",
+                        "--epochs", "1", "--batch-size-per-replica", "8", "--model", str(path)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].split(": error: ")[1].startswith(
+        "the model does not take the data's inputs (float32 (None, 28, 28, 1)): Input 0 with "
+        "name ") and problem in err.splitlines()[-1]
+    assert "usage:" not in err and "Traceback" not in err
+
+
 def test_a_teacher_path_without_a_checkpoint_is_one_line_before_training(tmp_path, capsys):
     # A missing file was a 59-line h5py traceback after the frameworks built the model;
     # a folder of checkpoints, Keras' "File format not supported".

@@ -20,6 +20,8 @@ With your own loss, `fn(model, x, y, training) ->
 batch's rows + the model's losses.
 """
 
+import re
+
 import keras
 import numpy as np
 from keras import ops
@@ -130,7 +132,7 @@ def build_metrics(model, x, y, sample_weight=None):
     x, y, sample_weight = loss_rows(model, (x, y, sample_weight))
     x, y, sample_weight = tree.map_arrays(ops.convert_to_tensor, (x, y, sample_weight))
     kept = [(v, np.array(v.numpy())) for v in model.variables]
-    y_pred = model(x, training=False)
+    y_pred = call_on_data(model, x)
     if model.loss is not None or type(model).compute_loss is not keras.Model.compute_loss:
         model._compute_loss(x, y, y_pred, sample_weight, training=False)
     model.compute_metrics(x, y, y_pred, sample_weight)
@@ -139,6 +141,27 @@ def build_metrics(model, x, y, sample_weight=None):
         metric.reset_state()
     for variable, value in kept:
         variable.assign(value)
+
+
+# Keras' own checks of a model's inputs (`InputSpec`, a functional model's inputs).
+_INPUT_CHECKS = ("is incompatible with the layer", "but input has incompatible shape",
+                 "input tensors. ")
+
+
+def call_on_data(model, x):
+    """`model(x, training=False)`; Keras refusing `x`'s shapes (a model built for
+    other inputs) is one UsageError naming the data's inputs and Keras' reason."""
+    try:
+        return model(x, training=False)
+    except ValueError as e:
+        reason = next((part.strip() for part in re.sub(r"\x1b\[[0-9;]*m", "", str(e)).split("\n\n")
+                       if any(check in part for check in _INPUT_CHECKS)), None)
+        if reason is None or isinstance(e, UsageError):
+            raise
+        inputs = ", ".join(f"{keras.backend.standardize_dtype(a.dtype)} {(None, *a.shape[1:])}"
+                           for a in data_leaves(x))
+        raise UsageError(f"the model does not take the data's inputs ({inputs}): {reason}; "
+                         "build it for inputs of these shapes") from e
 
 
 def loss_rows(model, batch):
