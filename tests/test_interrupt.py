@@ -30,3 +30,44 @@ def test_a_supervised_process_keeps_the_first_signal_and_goes_on_stopping():
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.signal_name == "SIGTERM"
     assert signal.getsignal(signal.SIGINT) is before
+
+
+# A worker whose step waits in a collective for a peer that is gone never reaches
+# the stop its launcher's death requested; it outlived the killed launcher for good.
+STUCK_WORKER = """
+import os, sys, time
+from kdist.workers import interrupt, processes
+stop = interrupt.StopRequest()  # Requested, never read: a step that never ends.
+assert processes.follow_launcher(stop, interval=0.05)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_stuck_after_its_launcher_is_killed_ends_after_the_grace(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from kdist.workers import processes
+
+    launcher = subprocess.Popen(  # Stands for kdist-launch: starts the worker, then waits.
+        [sys.executable, "-c", "import subprocess, sys, os; subprocess.Popen([sys.executable, "
+         f"'-c', sys.argv[1]], env=dict(os.environ, {processes.LAUNCHER_VARIABLE}="
+         f"str(os.getpid()), {processes.GRACE_VARIABLE}='1')); import time; time.sleep(120)",
+         STUCK_WORKER], stdout=subprocess.PIPE, text=True)
+    worker = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait(timeout=30)
+    killed = time.monotonic()
+
+    def running():
+        try:
+            with open(f"/proc/{worker}/stat") as f:
+                return f.read().split(") ")[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    while running() and time.monotonic() - killed < 30:
+        time.sleep(0.1)
+    assert not running(), f"worker {worker} still running 30 s after its launcher was killed"

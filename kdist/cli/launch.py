@@ -13,8 +13,9 @@ stopped and the launcher exits with that worker's exit status (128 + N for a
 worker killed by signal N), after its last lines. SIGTERM, SIGINT or SIGHUP to
 the launcher sends SIGTERM to every worker: they stop after the same step, the
 chief checkpoints. If the launcher itself is killed, its workers stop as on
-SIGTERM (`follow_launcher`). Every wait is bounded: `--timeout` for the whole
-run, `--grace` for workers to stop. Bad flags and a command that is not found
+SIGTERM, and one still running `--grace` seconds later ends itself
+(`follow_launcher`). Every wait is bounded: `--timeout` for the whole run,
+`--grace` for workers to stop. Bad flags and a command that is not found
 are usage errors (exit 2) before any worker starts. Imports no framework.
 """
 
@@ -52,7 +53,8 @@ def parser():
                    help="stop every worker and fail after this many seconds "
                         "(default: %(default)s)")
     p.add_argument("--grace", type=non_negative(float), default=30.0,
-                   help="seconds a worker gets to exit after SIGTERM before SIGKILL "
+                   help="seconds a worker gets to exit after SIGTERM before SIGKILL, or "
+                        "after the launcher is gone before it ends itself "
                         "(default: %(default)s)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p
@@ -81,7 +83,7 @@ def main(argv=None):
     if script.endswith(".py") and not os.path.isfile(script):  # `python my_train.py`'s.
         parser().error(f"{script}: no such file")
     try:
-        workers = start(args.workers, train_args)
+        workers = start(args.workers, train_args, args.grace)
     except OSError as e:  # An executable file that cannot run (no #! line, say).
         parser().error(f"{program}: {e.strerror or e}")
 

@@ -31,7 +31,8 @@ engine is one replica per process (`PROCESS_PER_REPLICA` in its module).
   attributes do not pickle as a `TrainingError` naming its type); a parent
   killed outright leaves processes that stop as on SIGTERM, with a
   checkpoint (`follow_launcher`, and a broken pipe to the parent), and exit
-  without a word: what they would send the parent is dropped.
+  without a word: what they would send the parent is dropped; one still
+  running `GRACE_SECONDS` later ends itself.
 
 An input that cannot be pickled (a tf.data pipeline) is refused with one line,
 and so is a Keras object that Keras' pickling would change (`pickled`).
@@ -57,6 +58,7 @@ from kdist.runtime import memory
 from kdist.workers import cluster
 from kdist.workers.processes import (
     CLUSTER_VARIABLES,
+    GRACE_VARIABLE,
     LAUNCHER_VARIABLE,
     LOCAL_PROCESSES_VARIABLE,
     REPLICA_PROCESSES_VARIABLE,
@@ -158,6 +160,7 @@ def _check_memory(num_replicas, meminfo="/proc/meminfo"):
 def _start(spec, payload):
     read, write = os.pipe()
     env = dict(os.environ, **{LAUNCHER_VARIABLE: str(os.getpid()),
+                              GRACE_VARIABLE: str(GRACE_SECONDS),
                               LOCAL_PROCESSES_VARIABLE: str(spec.num_workers),
                               REPLICA_PROCESSES_VARIABLE: "1"})
     for name in CLUSTER_VARIABLES + cluster.TORCHRUN_VARIABLES:

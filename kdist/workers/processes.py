@@ -32,7 +32,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What train.py returns after it checkpointed and stopped on SIGINT, SIGTERM or SIGHUP.
 STOPPED_STATUSES = tuple(128 + s for s in STOP_SIGNALS)
 
-LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to follow.
+LAUNCHER_VARIABLE = "KDIST_LAUNCHER_PID"  # Tells a worker which process to follow,
+GRACE_VARIABLE = "KDIST_LAUNCHER_GRACE"  # and how long to take to stop once it is gone.
+DEFAULT_GRACE = 30.0
 
 # Tells a worker how many training processes share this machine (the engines split
 # the cores between them: `cores_per_process`).
@@ -155,14 +157,16 @@ def worker_command(args):
     return [sys.executable, *args] if args[0].endswith(".py") else list(args)
 
 
-def start(num_workers, args):
+def start(num_workers, args, grace=DEFAULT_GRACE):
     """Starts `num_workers` workers of `worker_command(args)` on 127.0.0.1, each told
-    the cluster by `KDIST_PEERS` and `KDIST_WORKER_INDEX`. If one cannot start, those
-    started before it are killed and the error is raised."""
+    the cluster by `KDIST_PEERS` and `KDIST_WORKER_INDEX`, and `grace`, the seconds it
+    has to stop (`follow_launcher`). If one cannot start, those started before it are
+    killed and the error is raised."""
     ports = free_ports(num_workers)
     peers = ",".join(f"127.0.0.1:{port}" for port in ports)
     env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARIABLES}
     env.update({"PYTHONUNBUFFERED": "1", LAUNCHER_VARIABLE: str(os.getpid()),
+                GRACE_VARIABLE: str(grace),
                 LOCAL_PROCESSES_VARIABLE: str(num_workers), PEERS_VARIABLE: peers})
     workers = []
     try:
@@ -267,19 +271,25 @@ def follow_launcher(stop, environ=os.environ, interval=0.5):
     A launcher killed outright (SIGKILL, an out-of-memory kill) cannot stop
     its workers. A daemon thread watches this process's parent; when it is no
     longer the launcher, it requests a stop as SIGTERM would, so the workers
-    agree on a step, the chief checkpoints, and each exits. No signal is
+    agree on a step, the chief checkpoints, and each exits. A process still
+    running the launcher's grace period later (`KDIST_LAUNCHER_GRACE`, default
+    30 s; stuck in a collective whose peer is gone, say) ends itself with
+    status 137, as the launcher's SIGKILL would have ended it. No signal is
     involved: a signal's handling can be taken over by the frameworks'
     native code. Returns whether this process follows a launcher.
     """
     launcher = environ.get(LAUNCHER_VARIABLE)
     if not launcher:
         return False
+    grace = float(environ.get(GRACE_VARIABLE) or DEFAULT_GRACE)
 
     def watch():
         while os.getppid() == int(launcher):
             time.sleep(interval)
         silence_output()  # The launcher read it; a line to it now would raise.
         stop.request("SIGTERM")
+        time.sleep(grace)
+        os._exit(128 + signal.SIGKILL)
 
     threading.Thread(target=watch, name="kdist-follow-launcher", daemon=True).start()
     return True
