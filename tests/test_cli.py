@@ -55,7 +55,7 @@ def test_help_documents_every_flag(capsys):
     (["--epochs", "0"], "--epochs: must be greater than 0"),
     (["--batch-size-per-replica", "-4"], "--batch-size-per-replica: must be greater than 0"),
     (["--learning-rate", "0"], "--learning-rate: must be greater than 0"),
-    (["--replicas", "two"], "--replicas: expected a number"),
+    (["--replicas", "two"], "--replicas: expected a whole number"),
     (["--synthetic", "0"], "--synthetic: must be greater than 0"),
 ])
 def test_bad_flags_exit_2_with_the_reason(args, message, capsys):
@@ -348,7 +348,9 @@ def test_a_damaged_newest_checkpoint_is_skipped_by_name(tmp_path):
     (["--seed", "-1"], "--seed: expected a whole number in 0..4294967295, got '-1'"),
     (["--seed", "4294967296"], "--seed: expected a whole number in 0..4294967295"),
     (["--learning-rate", "inf"], "--learning-rate: must be a finite number, got inf"),
-    (["--connect-timeout", "nan"], "--connect-timeout: must be greater than 0, got nan"),
+    (["--connect-timeout", "nan"], "--connect-timeout: must be a finite number, got nan"),
+    (["--learning-rate", "nan"], "--learning-rate: must be a finite number, got nan"),
+    (["--epochs", "1e3"], "--epochs: expected a whole number, got '1e3'"),
     (["--checkpoint-every-steps", "0"], "--checkpoint-every-steps: must be greater than 0, got 0"),
     (["--checkpoint-every-minutes", "inf"],
      "--checkpoint-every-minutes: must be a finite number, got inf"),

@@ -34,16 +34,17 @@ def non_negative(kind):
 
 
 def _number(kind, allowed, requirement):
-    """A parser of a finite `kind` for which `allowed(value)` holds (False for NaN)."""
+    """A parser of a finite `kind` for which `allowed(value)` holds."""
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not allowed(value):
-            raise argparse.ArgumentTypeError(f"{requirement}, got {text}")
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
         if not math.isfinite(value):
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if not allowed(value):
+            raise argparse.ArgumentTypeError(f"{requirement}, got {text}")
         return value
 
     parse.__name__ = kind.__name__
