@@ -106,9 +106,32 @@ def test_plot_script_refuses_a_missing_file_or_a_folder_before_matplotlib_loads(
     assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "out", "stub"]
 
 
-def test_plot_script_rejects_a_file_without_epochs(tmp_path):
-    metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text(json.dumps({"restored": True}) + "\n")
-    result = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "plot.py"),
-                             str(metrics)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1 and "has no epoch records" in result.stderr
+# Matplotlib's "Number of columns must be a positive integer, not 0" and Python's
+# TypeError traceback were the last two.
+@pytest.mark.parametrize("text, problem", [
+    ('{"restored": true}\n', "metrics.jsonl has no epoch records; pass the file written by "
+                             "kdist-train --metrics-file"),
+    ('{"epoch": 1, "loss": 0.5}\n', "metrics.jsonl has epoch records but no train_ or test_ "
+                                    "values to draw"),
+    ('{"epoch": 1, "train_loss": 0.5}\n5\n', "metrics.jsonl:2: not a JSON object"),
+])
+def test_plot_script_rejects_a_file_without_curves_in_one_line(tmp_path, text, problem):
+    (tmp_path / "metrics.jsonl").write_text(text)
+    result = plot_script("metrics.jsonl", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"plot.py: error: {problem}") and len(
+        result.stderr.splitlines()) == 1, result.stderr
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl"]
+
+
+def test_plot_script_draws_a_metric_some_epochs_lack_with_gaps(tmp_path):
+    # A callback's metric from epoch 2 on, blank lines: a KeyError traceback, "not JSON".
+    records = [dict(epoch=1, train_loss=0.5, train_auc=0.7), {},
+               dict(epoch=2, train_loss=0.4, test_loss=None, train_lr=0.1)]
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps(r) if r else "" for r in records) + "\n\n")
+    result = plot_script("metrics.jsonl", "-o", "c.png", cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout == "c.png\n", result.stderr
+    from kdist.cli.plot import metric_names, read_epochs
+
+    assert metric_names(read_epochs(str(tmp_path / "metrics.jsonl"))) == ["loss", "auc", "lr"]

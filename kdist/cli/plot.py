@@ -11,26 +11,33 @@ from kdist.errors import UsageError
 
 
 def read_epochs(metrics_file):
-    """The per-epoch records of a JSON-lines metrics file, last run's value per epoch."""
+    """The per-epoch records of a JSON-lines metrics file, last run's value per
+    epoch; blank lines are skipped, a line that is no JSON object is a ValueError."""
     by_epoch = {}
     with open(metrics_file) as f:
         for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{metrics_file}:{number}: not JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{metrics_file}:{number}: not a JSON object, so not a "
+                                 "kdist record")
             if "epoch" in record:
                 by_epoch[record["epoch"]] = record  # A resumed run repeats no epoch.
     if not by_epoch:
         raise ValueError(f"{metrics_file} has no epoch records; pass the file written by "
-                         "scripts/train.py --metrics-file")
+                         "kdist-train --metrics-file")
     return [by_epoch[e] for e in sorted(by_epoch)]
 
 
 def metric_names(records):
-    """The metrics that records hold for either split ("loss" first), by their Keras
-    names: a run without test data, or a test step of other names, has train curves."""
-    names = {k.split("_", 1)[1] for k in records[0] if k.startswith(("train_", "test_"))}
+    """The metrics that any record holds for either split ("loss" first), by their
+    Keras names: a run without test data, or a test step of other names, has train
+    curves; a metric some epochs lack (a callback's, a resumed run's) has gaps."""
+    names = {k.split("_", 1)[1] for r in records for k in r if k.startswith(("train_", "test_"))}
     return sorted(names, key=lambda name: (name != "loss", name))
 
 
@@ -55,13 +62,16 @@ def plot_curves(metrics_file, output):
     records = read_epochs(metrics_file)
     epochs = [r["epoch"] for r in records]
     names = metric_names(records)
+    if not names:
+        raise ValueError(f"{metrics_file} has epoch records but no train_ or test_ values "
+                         "to draw; pass the file written by kdist-train --metrics-file")
     figure, panels = plt.subplots(1, len(names), figsize=(5 * len(names), 4), dpi=120,
                                   squeeze=False)
     for axes, name in zip(panels[0], names):
         for split, style in (("train", "o-"), ("test", "s--")):
-            if f"{split}_{name}" not in records[0]:
-                continue
-            axes.plot(epochs, [r[f"{split}_{name}"] for r in records], style, label=split)
+            values = [r.get(f"{split}_{name}") for r in records]  # None: a gap.
+            if any(value is not None for value in values):
+                axes.plot(epochs, values, style, label=split)
         axes.set_xlabel("Epoch")
         axes.set_ylabel(name)
         axes.set_title(name)
