@@ -133,6 +133,7 @@ class Program:
             with engine.scope():
                 tensors = tuple(tree.map_arrays(ops.convert_to_tensor, part) for part in sample)
                 watch: Any = portable.watching() if own else contextlib.nullcontext([])
+                calls: list = []  # Bound even where a context fails to enter.
                 try:
                     with watch as calls, step_optimizer.refusing_unknown(self.optimizers), \
                             step_logs.results_recorded(self.metrics) as returned_as:
