@@ -46,11 +46,12 @@ class KdistOrder(keras.utils.PyDataset):
 
 
 class Recorder(keras.callbacks.Callback):
-    """A user's own callback: the calls it gets, and the learning rate at each epoch."""
+    """A user's own callback: the calls it gets, the learning rate at each epoch,
+    and the epochs ended, in a dict of the caller's (`store`)."""
 
-    def __init__(self):
+    def __init__(self, store=None):
         super().__init__()
-        self.calls, self.rates = [], []
+        self.calls, self.rates, self.store = [], [], {} if store is None else store
 
     def on_train_begin(self, logs=None):
         self.calls.append(("train_begin",))
@@ -73,6 +74,7 @@ class Recorder(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.calls.append(("epoch_end", epoch, sorted(logs)))
+        self.store["epochs"] = epoch + 1
 
     def on_train_end(self, logs=None):
         self.calls.append(("train_end", sorted(logs)))
@@ -146,24 +148,34 @@ def test_swap_ema_weights_acts_as_in_fit_and_a_resume_goes_on_from_the_weights(t
         np.testing.assert_allclose(ours, theirs, rtol=1e-6, atol=1e-7)
 
 
-def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit(tmp_path):
+def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit(tmp_path,
+                                                                                   capfd):
     """EarlyStopping stops after epoch 2 of 4 and restores epoch 1's weights; the
     schedule sets each epoch's learning rate; the CSV logs and the own
-    callback's calls, with their indices and log keys, are fit's."""
-    made = {}
+    callback's calls, with their indices and log keys, are fit's. A list a
+    LambdaCallback appends to and a dict a callback was given hold what they
+    recorded, and EarlyStopping's message comes once (on torch, where each
+    replica is a process, they stayed empty and it came once per process)."""
+    made, losses, shared = {}, {"kdist": [], "fit": []}, {"kdist": {}, "fit": {}}
 
     def callbacks(side):
+        recorded = losses[side]
         made[side] = [
             keras.callbacks.LearningRateScheduler(lambda epoch, rate: 0.5 * 0.6 ** epoch),
             keras.callbacks.EarlyStopping("loss", min_delta=1.0, patience=1,
-                                          restore_best_weights=True),
+                                          restore_best_weights=True, verbose=1),
             keras.callbacks.CSVLogger(str(tmp_path / f"{side}.csv")),
-            Recorder()]
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, logs: recorded.append(logs["loss"])),
+            Recorder(shared[side])]
         return made[side]
 
     result, reference, history = both(callbacks, tmp_path)
     assert_same_run(result, reference, history)
     assert len(result.epochs) == 2 and result.stopped_by_callback
+    assert losses["kdist"] == pytest.approx(losses["fit"], rel=1e-5) and len(losses["fit"]) == 2
+    assert shared["kdist"] == {"epochs": 2} == shared["fit"]
+    assert capfd.readouterr().out.count("Epoch 2: early stopping") == 2  # kdist's, fit's.
     ours, theirs = made["kdist"][-1], made["fit"][-1]
     last = KdistOrder().steps - 1  # fit gives the epoch's last chunk begin + 4 - 1: 15.
     assert ours.calls == [(call[0], min(call[1], last), *call[2:]) if call[0] == "batch_end"

@@ -23,13 +23,12 @@ adds what data parallelism needs:
 - on a resume in the middle of an epoch, `on_epoch_begin` runs again with
   the learning rates kept as the checkpoint holds them;
 - on torch, where each replica is a process that runs copies of the
-  callbacks, the chief's copies' attributes come back into the caller's
-  callbacks at the end (`portable_states`, `take_states`).
+  callbacks, the chief's copies' state comes back into the caller's
+  callbacks at the end (`kdist.loop.callback_states`).
 """
 
 import contextlib
 import math
-import pickle
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -103,7 +102,8 @@ class Hooks:
             metrics = self.metric_state(self.totals) if self.totals is not None else []
             for variable, value in metrics:
                 variable.assign(value)
-            getattr(self.callbacks, method)(*args)
+            with contextlib.nullcontext() if self.engine.is_chief else _keras_messages_muted():
+                getattr(self.callbacks, method)(*args)
             for variable, value in kept + (self.metric_state(None) if metrics else []):
                 variable.assign(value)  # The steps' metrics start from their reset state.
             self.engine.sync_from_model()
@@ -232,27 +232,15 @@ class _EpochLogs(keras.callbacks.Callback):
         self.logs = dict(logs or {})
 
 
-def portable_states(callbacks: Sequence[keras.callbacks.Callback]) -> list[dict[str, Any]]:
-    """Each callback's attributes that pickle, but its model (an open file does not)."""
-    def pickles(value: Any) -> bool:
-        try:
-            pickle.dumps(value)
-        except Exception:  # noqa: BLE001 (whatever pickling raises: the attribute stays)
-            return False
-        return True
-
-    return [{k: v for k, v in vars(c).items() if k != "_model" and pickles(v)}
-            for c in callbacks]
-
-
-def take_states(callbacks: Sequence[keras.callbacks.Callback],
-                states: list[dict[str, Any]] | None, model: keras.Model | None) -> None:
-    """Gives `callbacks` the attributes of `states` (the chief replica process's
-    copies') and `model`, the trained model, as `fit` leaves them with its model.
-    The model is set as an attribute: `fit` calls `set_model` once, before
-    training, and a callback's own `set_model` may write (Keras' `TensorBoard`
-    writes the model's summary there)."""
-    for callback, state in zip(callbacks, states or [{}] * len(callbacks), strict=True):
-        vars(callback).update(state)
-        if model is not None:
-            callback._model = model
+@contextlib.contextmanager
+def _keras_messages_muted() -> Iterator[None]:
+    """Keras' callbacks' messages ("Epoch 3: early stopping") go to absl's log,
+    not stdout: a process other than the chief prints none, as `fit` prints each once."""
+    if not keras.config.is_interactive_logging_enabled():
+        yield
+        return
+    keras.config.disable_interactive_logging()
+    try:
+        yield
+    finally:
+        keras.config.enable_interactive_logging()

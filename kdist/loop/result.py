@@ -43,7 +43,7 @@ class TrainingResult:
     stopped_by_callback: bool = False
     # What a replica process sends to the process that started it, in place of a model
     # and callbacks: the trained weights as NumPy arrays, and the callbacks' attributes
-    # (`kdist.loop.hooks.portable_states`).
+    # (`kdist.loop.callback_states.portable_states`).
     weights: list[Any] | None = dataclasses.field(default=None, repr=False)
     callback_states: list[dict[str, Any]] | None = dataclasses.field(default=None, repr=False)
 

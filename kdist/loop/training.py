@@ -22,7 +22,7 @@ from kdist.config import OPTIMIZERS, TrainConfig, adam, sgd  # noqa: F401 (impor
 from kdist.engines import joining
 from kdist.errors import LOST_WORKERS, Interrupted, TrainingError, WorkerLost  # noqa: F401 (importable here)
 from kdist.inputs import arrays, base, sources
-from kdist.loop import building, hooks, replicas, reporting, tensorboard
+from kdist.loop import building, callback_states, hooks, replicas, reporting, tensorboard
 from kdist.loop.evaluation import model_in_hand, restore_and_evaluate
 from kdist.loop.result import TrainingResult, epoch_logs, keras_history
 from kdist.loop.run import Run
@@ -133,10 +133,10 @@ def _run(config, dataset, model_fn, optimizer_fn, loss_fn, compute_loss, log, st
     if os.environ.get(REPLICA_PROCESSES_VARIABLE) == "1":  # A replica process of `run`:
         # the process that started it builds the model and takes the callbacks' state.
         return dataclasses.replace(result, model=None,
-                                   callback_states=hooks.portable_states(callbacks))
+                                   callback_states=callback_states.portable_states(callbacks))
     result = model_in_hand(result, prepared, model_fn, loss_fn, compute_loss, config, names,
                            optimizer_fn)
-    hooks.take_states(callbacks, result.callback_states, result.model)
+    callback_states.take_states(callbacks, result.callback_states, result.model)
     return dataclasses.replace(result, callback_states=None)
 
 
