@@ -174,6 +174,21 @@ def test_a_trained_model_made_outside_model_fn_is_refused_naming_it():
         replicas.run(2, one_step_and_evaluation, dict(dataset=None, model=trained))
 
 
+def test_a_callback_holding_an_open_file_is_refused_naming_it(tmp_path):
+    # It was "...gets the data and functions pickled; ... pass arrays, a kdist.Dataset".
+    class FileLog(keras.callbacks.Callback):
+        def __init__(self, path):
+            super().__init__()
+            self.log_file = open(path, "w")  # noqa: SIM115 (what the test is about)
+
+    callback = FileLog(tmp_path / "log.txt")
+    with pytest.raises(UsageError, match=(
+            "gets the callbacks pickled; callback FileLog's attribute log_file cannot be "
+            r"\(PicklingError: Cannot pickle files .*\); create it in on_train_begin")):
+        replicas.run(2, one_step_and_evaluation, dict(dataset=None, callbacks=[callback]))
+    callback.log_file.close()
+
+
 def test_keras_objects_that_pickling_keeps_travel():
     objects = [keras.losses.Huber(), keras.optimizers.SGD(0.3, momentum=0.9, clipnorm=1.0),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=2),

@@ -94,10 +94,10 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 (whatever pickling raises, one line)
-        raise UsageError(
+        raise UsageError(_unpicklable(kwargs) or (
             f"on this backend each replica is a process, which gets the data and functions "
             f"pickled; these cannot be ({type(e).__name__}: {e}); pass arrays, a "
-            "kdist.Dataset or a picklable input") from None
+            "kdist.Dataset or a picklable input")) from None
     folder = tempfile.mkdtemp(prefix="kdist-replicas-")
     processes, pipes = [], []
     try:
@@ -121,6 +121,23 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     finally:
         _kill(processes)
         shutil.rmtree(folder, ignore_errors=True)  # kdist's own temporary folder.
+
+
+def _unpicklable(kwargs):
+    """The message for a callback whose attribute cannot be pickled, naming both
+    (an open file, a lock); None where the callbacks pickle."""
+    for callback in kwargs.get("callbacks") or ():
+        for name, value in vars(callback).items():
+            try:
+                pickled.dumps(value)
+            except UsageError:
+                raise
+            except Exception as e:  # noqa: BLE001 (whatever pickling raises, one line)
+                return (f"on this backend each replica is a process, which gets the callbacks "
+                        f"pickled; callback {type(callback).__name__}'s attribute {name} cannot "
+                        f"be ({type(e).__name__}: {e}); create it in on_train_begin, where "
+                        "each process makes its own (a file to write: where kdist.is_chief())")
+    return None
 
 
 def keras_settings():
