@@ -537,6 +537,32 @@ def test_a_checkpoint_skipped_on_resume_is_told_once(tmp_path, capfd):
     assert capfd.readouterr().err.count(warning) == 1
 
 
+class RatePerProcess(keras.callbacks.Callback):
+    """Sets a learning rate of its own in each replica process (a clock's or an
+    unseeded draw's decision would do the same)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        import torch.distributed
+
+        self.model.optimizer.learning_rate = 0.1 * (1 + torch.distributed.get_rank())
+
+
+def test_a_callback_setting_each_process_its_own_rate_is_named_as_the_cause(tmp_path):
+    # The message blamed the step: "the step changes the averaged gradients with ...".
+    import kdist
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    config = kdist.TrainConfig(epochs=2, batch_size_per_replica=8, replicas=2,
+                               checkpoint_dir=str(tmp_path), progress=False)
+    with pytest.raises(TrainingError, match=(
+            r"differ after epoch 1 \(.*'.*learning_rate'.*\): a callback set the learning "
+            "rate differently on the replicas")):
+        kdist.train_and_evaluate(config, kdist.Dataset(x, x[:, :1], x, x[:, :1], "toy"),
+                                 linear_model, log=lambda line: None,
+                                 callbacks=[RatePerProcess()])
+    assert os.listdir(tmp_path) == []
+
+
 def chief_in_a_process(log, stop, folder):
     """In each process: `kdist.is_chief()`, written to a file named by the process."""
     import kdist

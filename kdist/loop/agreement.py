@@ -83,7 +83,12 @@ def check_replicas_equal(engine, epoch, variables):
         return
     names = ", ".join(repr(v.path) for v in differ[:3]) + (
         f" and {len(differ) - 3} more" if len(differ) > 3 else "")
-    if any(v.trainable for v in differ):
+    if any(v.path.endswith("learning_rate") for v in differ):
+        why = ("a callback set the learning rate differently on the replicas (each worker, "
+               "and on torch each replica process, runs its own copy of the callbacks); "
+               "decide it from the logs and the epoch, which every replica shares, not from "
+               "a clock, a file or an unseeded draw")
+    elif any(v.trainable for v in differ):
         why = ("the step changes the averaged gradients with what differs between replicas "
                "(a replica's own loss value, data, keras.random draws or kdist.random rows), "
                "so each replica trained another model; change them only with what every "
