@@ -547,6 +547,38 @@ def test_the_keras_guides_own_train_step_with_compiled_metrics_trains_as_fit(rep
     assert ours["accuracy"] == pytest.approx(theirs["accuracy"][0], abs=1e-6)
 
 
+class GuideSteps(GuideStepModel):
+    """The guide's `test_step` too: every metric updated once per call, the loss
+    tracker with the batch's loss."""
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        loss = self.compute_loss(y=y, y_pred=y_pred)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def test_the_keras_guides_own_test_step_reports_its_loss_tracker_as_evaluate():
+    """Keras' loss tracker, which the guide's steps update once per batch, is the
+    reported loss, as `evaluate` reports it: the mean of the batches' losses, the
+    last, partial batch one of them. kdist reported the loss weighted by rows."""
+    x, y = classification_data(BATCH + BATCH // 4, seed=8)
+    engine, model, step = on_kdist(lambda: guide_classifier(GuideSteps), 1, None,
+                                   sample=(x[:2], y[:2], None))
+    engine.compile_steps(step)
+    ours = chunks.evaluate(engine, step, x, y, None, BATCH)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    batches = [float(loss(y[i:i + BATCH], model.predict_on_batch(x[i:i + BATCH])))
+               for i in range(0, len(x), BATCH)]
+    assert ours["loss"] == pytest.approx(np.mean(batches), rel=1e-5)
+    assert abs(np.mean(batches) - float(loss(y, model.predict_on_batch(x)))) > 1e-3
+
+
 def batch_sum_of_squares(y_true, y_pred):
     """A loss function returning one number for its batch: the sum over every row."""
     return ops.sum(ops.square(y_true - y_pred))

@@ -104,11 +104,14 @@ def _total(losses):
     return sum((ops.sum(ops.cast(loss, "float32")) for loss in losses), ops.zeros((), "float32"))
 
 
-def reported_metrics(model):
+def reported_metrics(model, own_step=False):
     """The model's metrics that kdist reports: all but Keras' total-loss tracker,
-    which only Keras' own train step updates (kdist reports the loss itself)."""
+    which only Keras' own train step updates (kdist reports the loss itself);
+    with the model's own train step (`own_step`), all, as `fit` reports them: its
+    steps may update the tracker (`metric.update_state(loss)` for each of
+    `self.metrics`, as Keras' guides write)."""
     tracker = getattr(model, "_loss_tracker", None)
-    return [m for m in model.metrics if m is not tracker]
+    return [m for m in model.metrics if own_step or m is not tracker]
 
 
 def build_metrics(model, x, y, sample_weight=None):

@@ -78,7 +78,7 @@ class Program:
         for optimizer in self.optimizers:
             step_optimizer.route_apply(optimizer)
         step_optimizer.refuse_nested(model, self.optimizers)
-        self.metrics = compiled.reported_metrics(model)
+        self.metrics = compiled.reported_metrics(model, own_step=own)
         self.metric_variables = [v for m in self.metrics for v in m.variables]
         refusals.refuse_unmerged(self.metric_variables)
         self.reset_values = [np.array(v.numpy()) for v in self.metric_variables]
@@ -123,6 +123,8 @@ class Program:
         the built optimizers) and before `engine.compile_steps(program)`."""
         by_name = self._metric_names()
         own = defines(self.model, "train_step")
+        tracker = getattr(self.model, "_loss_tracker", None)
+        builtin = {"train": not own, "test": not defines(self.model, "test_step")}
         scalars: dict[str, None] = {}
         contexts = {}
         for phase in PHASES:
@@ -146,7 +148,9 @@ class Program:
             # A key is a metric's where its value is that metric's `result()`; where
             # the keys are the metrics' names exactly, each is its metric (`fit` then
             # reports `get_metrics_result()`, whatever the step returned).
-            self.results_as[phase] = ({key: key for key in logs} if set(logs) == set(by_name)
+            # (kdist's own step reports the loss itself, not Keras' loss tracker.)
+            names = {k: m for k, m in by_name.items() if not (builtin[phase] and m is tracker)}
+            self.results_as[phase] = ({key: key for key in logs} if set(logs) == set(names)
                                       else returned_as(logs))
             self.draws[phase] = context.recorded_draws
             for name, value in logs.items():
