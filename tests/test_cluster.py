@@ -115,10 +115,10 @@ def no_workers(monkeypatch):
 @pytest.mark.parametrize("flags, message", [
     (["--timeout", "0"], "argument --timeout: must be greater than 0, got 0"),
     (["--timeout", "-1"], "argument --timeout: must be greater than 0, got -1"),
-    (["--timeout", "nan"], "argument --timeout: must be greater than 0, got nan"),
+    (["--timeout", "nan"], "argument --timeout: must be a finite number, got nan"),
     (["--timeout", "inf"], "argument --timeout: must be a finite number, got inf"),
     (["--grace", "-5"], "argument --grace: must be 0 or more, got -5"),
-    (["--grace", "nan"], "argument --grace: must be 0 or more, got nan"),
+    (["--grace", "nan"], "argument --grace: must be a finite number, got nan"),
     (["--grace", "inf"], "argument --grace: must be a finite number, got inf"),
 ])
 def test_launcher_refuses_bad_bounds_before_any_worker_starts(capsys, monkeypatch, flags,
