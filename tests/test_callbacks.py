@@ -45,6 +45,13 @@ class KdistOrder(keras.utils.PyDataset):
         return TRAIN_X[rows], TRAIN_Y[rows]
 
 
+RECORDED = []  # A module's list that a callback's function appends to.
+
+
+def record_loss(epoch, logs):
+    RECORDED.append(logs["loss"])
+
+
 class Recorder(keras.callbacks.Callback):
     """A user's own callback: the calls it gets, the learning rate at each epoch,
     and the epochs ended, in a dict of the caller's (`store`)."""
@@ -153,8 +160,8 @@ def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit
     """EarlyStopping stops after epoch 2 of 4 and restores epoch 1's weights; the
     schedule sets each epoch's learning rate; the CSV logs and the own
     callback's calls, with their indices and log keys, are fit's. A list a
-    LambdaCallback appends to and a dict a callback was given hold what they
-    recorded, and EarlyStopping's message comes once (on torch, where each
+    LambdaCallback appends to (a closure's, a module's) and a dict a callback
+    was given hold what they recorded, and EarlyStopping's message comes once (on torch, where each
     replica is a process, they stayed empty and it came once per process)."""
     made, losses, shared = {}, {"kdist": [], "fit": []}, {"kdist": {}, "fit": {}}
 
@@ -168,12 +175,14 @@ def test_early_stopping_a_schedule_a_csv_log_and_your_own_callback_act_as_in_fit
             keras.callbacks.LambdaCallback(
                 on_epoch_end=lambda epoch, logs: recorded.append(logs["loss"])),
             Recorder(shared[side])]
-        return made[side]
+        return made[side] + ([keras.callbacks.LambdaCallback(on_epoch_end=record_loss)]
+                             if side == "kdist" else [])
 
     result, reference, history = both(callbacks, tmp_path)
     assert_same_run(result, reference, history)
     assert len(result.epochs) == 2 and result.stopped_by_callback
     assert losses["kdist"] == pytest.approx(losses["fit"], rel=1e-5) and len(losses["fit"]) == 2
+    assert RECORDED == pytest.approx(losses["fit"], rel=1e-5)
     assert shared["kdist"] == {"epochs": 2} == shared["fit"]
     assert capfd.readouterr().out.count("Epoch 2: early stopping") == 2  # kdist's, fit's.
     ours, theirs = made["kdist"][-1], made["fit"][-1]
