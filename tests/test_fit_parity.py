@@ -510,6 +510,10 @@ class GuideStepModel(keras.Model):
 
         (loss, y_pred), grads = kdist.value_and_grad(loss_fn, self.trainable_variables)
         self.optimizer.apply(grads, self.trainable_variables)
+        return self.update_metrics(loss, y, y_pred)
+
+    def update_metrics(self, loss, y, y_pred):
+        """As the guide does: the loss tracker with the loss, the others with y."""
         for metric in self.metrics:
             if metric.name == "loss":
                 metric.update_state(loss)
@@ -555,12 +559,7 @@ class GuideSteps(GuideStepModel):
         x, y = data
         y_pred = self(x, training=False)
         loss = self.compute_loss(y=y, y_pred=y_pred)
-        for metric in self.metrics:
-            if metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
+        return self.update_metrics(loss, y, y_pred)
 
 
 def test_the_keras_guides_own_test_step_reports_its_loss_tracker_as_evaluate():
