@@ -101,6 +101,8 @@ def _into(original: Any, returned: Any) -> Any:
 
 
 def _take_reached(callback: keras.callbacks.Callback, reached: dict) -> None:
+    if not reached:  # (Nothing came from replica processes: the other backends.)
+        return
     functions = dict(_functions(callback))
     for where, found in reached.items():
         function = functions.get(where)
