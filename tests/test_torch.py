@@ -189,6 +189,36 @@ def test_a_callback_holding_an_open_file_is_refused_naming_it(tmp_path):
     callback.log_file.close()
 
 
+_MODULE = """def scale():
+    return 2.0
+
+
+def run(log, stop):
+    return scale()
+"""
+
+
+def test_a_module_function_the_script_replaced_is_refused_not_trained_as_written(
+        tmp_path, monkeypatch):
+    # Each process imports the module again, as written: it returned 2.0, silently.
+    (tmp_path / "scaling_module.py").write_text(_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "scaling_module", raising=False)
+    import scaling_module  # noqa: PLC0415 - written by this test.
+
+    assert replicas.run(2, scaling_module.run, {}) == 2.0  # As written: nothing to refuse.
+
+    def half():
+        return 0.5
+
+    monkeypatch.setattr(scaling_module, "scale", half)
+    with pytest.raises(UsageError, match=(
+            r"^scaling_module.scale is test_torch.test_a_module_.*\.<locals>\.half in the calling "
+            "script, but scaling_module as written holds scaling_module.scale: the script "
+            "replaced it after importing scaling_module")):
+        replicas.run(2, scaling_module.run, {})
+
+
 def test_keras_objects_that_pickling_keeps_travel():
     objects = [keras.losses.Huber(), keras.optimizers.SGD(0.3, momentum=0.9, clipnorm=1.0),
                keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=2),

@@ -46,6 +46,7 @@ def replica_main():
                 sys.path[:] = pickle.load(f)
                 warnings.showwarning = pickle.load(f)
                 settings = pickle.load(f)
+                modules = pickle.load(f)
                 fn, kwargs = pickle.load(f)
             if not chief:  # Every replica reads one checkpoint folder: the chief tells.
                 from kdist.checkpoints import CheckpointWarning
@@ -54,8 +55,9 @@ def replica_main():
             import keras  # And the backend.
 
             from kdist import engines
-            from kdist.loop import building
+            from kdist.loop import building, pickled
 
+            pickled.check_modules(modules)
             names = settings.pop("names", {})
             for name, value in settings.items():  # The parent's, in its order.
                 getattr(keras.config, f"set_{name}")(value)

@@ -89,8 +89,9 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
     `Interrupted` after a stop.
     """
     _check_memory(num_replicas)
+    modules: set[str] = set()
     try:
-        call = pickled.dumps((fn, kwargs))
+        call = pickled.dumps((fn, kwargs), modules)
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 (whatever pickling raises, one line)
@@ -106,6 +107,7 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
             pickle.dump(sys.path, f)  # The caller's modules, importable in every process.
             f.write(cloudpickle.dumps(warnings.showwarning))  # How it shows warnings.
             pickle.dump(keras_settings(), f)
+            pickle.dump(pickled.module_table(modules), f)  # Checked where they arrive.
             f.write(call)
         address = f"127.0.0.1:{free_ports(1)[0]}"
         for rank in range(num_replicas):
