@@ -150,7 +150,8 @@ class Outside(keras.Model):
     holds (a module's global); "own": its own, leaving `net`'s alone (a trained
     teacher's); "other model": its own, on `net` and a model it does not hold;
     "variable": its own, and it counts its steps in a variable it does not hold;
-    "cond": its own, applied inside `keras.ops.cond`."""
+    "cond": its own, applied inside `keras.ops.cond`; "grad in cond": its own, applied
+    to gradients taken inside `keras.ops.cond`."""
 
     def __init__(self, kind):
         super().__init__()
@@ -170,6 +171,9 @@ class Outside(keras.Model):
         weights = self.net.trainable_variables + (other.trainable_variables if other else [])
         loss, grads = kdist.value_and_grad(
             lambda: ops.mean((self.net(x) + (other(x) if other else 0.0) - y) ** 2), weights)
+        if self.kind == "grad in cond":
+            grads = ops.cond(loss > 0.0, lambda: kdist.grad(
+                lambda: ops.mean(self.net(x) ** 2), weights), lambda: grads)
         optimizer = {"sub-model": self.net.optimizer, "nowhere": self.unheld()}.get(
             self.kind, getattr(self, "own", None))
         if self.kind == "cond":
@@ -189,11 +193,15 @@ class Outside(keras.Model):
                     "a variable the model does not hold"),
     ("variable", r"the train_step assigns 'variable\w*', a variable the model does not hold"),
     ("cond", r"the step applies SGD inside keras.ops.cond \(or another control-flow op\)"),
+    ("grad in cond", r"kdist.value_and_grad with respect to variables inside keras.ops.cond "
+                     r"\(or another control-flow op\): their gradients are summed"),
     ("own", None)])
 def test_a_step_whose_updates_kdist_cannot_keep_is_refused(kind, refused):
     """On JAX the updates of what the model does not hold were dropped each step,
     TensorFlow failed in Keras, torch kept them out of the checkpoints; an
-    optimizer applied in a branch failed inside TensorFlow and JAX."""
+    optimizer applied in a branch failed inside TensorFlow and JAX; gradients of
+    variables taken in a branch failed inside TensorFlow's strategy at 2 replicas
+    (`merge_call called while defining a new graph`), at 1 and elsewhere not."""
     model = Outside(kind)
     before = [np.array(w) for w in model.net.get_weights()]
     sample = (np.ones((2, 3), np.float32), np.zeros((2, 2), np.float32), None)
@@ -761,6 +769,65 @@ def test_keras_sums_over_a_kernel_or_inside_an_input_gradient_train_as_on_one_re
                                              model_fn=SumPenalties, log=lambda line: None))
     one, several = runs
     for name in ("loss", "gradient_penalty", "weight_penalty"):
+        assert several.history[name] == pytest.approx(one.history[name], rel=1e-5), name
+    for ours, theirs in zip(several.model.get_weights(), one.model.get_weights(), strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@ops.custom_gradient
+def clipped_upstream(x):
+    """`x`, its upstream gradient clipped elementwise (what it sees depends on the
+    loss's scale, so on how the replicas share the batch)."""
+    def grad(*args, upstream=None):
+        if upstream is None:
+            (upstream,) = args
+        return ops.clip(upstream, -0.002, 0.002)
+    return x, grad
+
+
+class ClippedUpstream(keras.Model):
+    """A custom gradient inside the loss, and an input differentiated with the
+    variables: the gradients inside the loss are one device's at any replica count."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)
+        self.hidden.build((None, 4))
+        self.out.build((None, 8))
+        self.opt = keras.optimizers.SGD(0.5)
+
+    def train_step(self, data):
+        x, y = data
+        weights = self.trainable_variables
+
+        def loss_fn(inputs):
+            logits = self.out(clipped_upstream(self.hidden(inputs)))
+            return ops.mean(keras.losses.sparse_categorical_crossentropy(
+                y, logits, from_logits=True))
+
+        loss, grads = kdist.value_and_grad(loss_fn, [x, *weights])
+        self.opt.apply(grads[1:], weights)
+        return {"loss": loss, "input_gradient": ops.mean(ops.sum(ops.abs(grads[0]), axis=1))}
+
+
+def test_a_custom_gradient_and_an_inputs_gradient_inside_the_loss_are_one_devices(tmp_path):
+    """Each replica differentiated the mean over its own rows: the upstream gradient
+    the clip saw, and the input's gradient, were R times one device's (TensorFlow,
+    torch: weights 0.07 from 1 replica's after 2 epochs, the input gradient 2x)."""
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(128, 4)).astype(np.float32)
+    y = (np.abs(x[:, 0]) * 2).astype(np.int32).clip(0, 2)
+    runs = []
+    for replicas in (1, 2):  # On torch, 2 processes.
+        config = kdist.TrainConfig(epochs=2, batch_size_per_replica=32 // replicas,
+                                   replicas=replicas, seed=0, progress=False,
+                                   checkpoint_dir=str(tmp_path / str(replicas)))
+        keras.utils.set_random_seed(0)
+        runs.append(kdist.train_and_evaluate(config, kdist.Dataset(x, y, x, y, "toy"),
+                                             model_fn=ClippedUpstream, log=lambda line: None))
+    one, several = runs
+    assert one.history["loss"][1] < one.history["loss"][0]
+    for name in ("loss", "input_gradient"):
         assert several.history[name] == pytest.approx(one.history[name], rel=1e-5), name
     for ours, theirs in zip(several.model.get_weights(), one.model.get_weights(), strict=True):
         np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)

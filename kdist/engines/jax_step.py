@@ -17,7 +17,7 @@ class Primitives(step_context.Primitives):
 
     applies_in_scope = True  # Optimizers apply statelessly, in the step's scope.
 
-    def value_and_grad(self, context, fn, variables, tensors):
+    def value_and_grad(self, context, fn, variables, tensors, scale):
         """Differentiates `fn(*tensors)` with respect to `variables`' values in the
         current scope and `tensors`. What `fn` assigns reaches the current scope.
 
@@ -33,7 +33,7 @@ class Primitives(step_context.Primitives):
             overridden = {id(v) for v in variables}
             changed = {k: v for k, v in child.changed().items() if k not in overridden}
             found.update(keys=list(changed), reads=set(child.reads))
-            return loss_of(value), (value, list(changed.values()))
+            return loss_of(value, scale), (value, list(changed.values()))
 
         (_, (value, changed)), (var_grads, tensor_grads) = jax.value_and_grad(
             f, argnums=(0, 1), has_aux=True)(starts, list(tensors))
@@ -42,7 +42,7 @@ class Primitives(step_context.Primitives):
                      for v, g in zip(variables, var_grads)]
         return value, var_grads, list(tensor_grads)
 
-    def mean_over_replicas(self, grads):
+    def sum_over_replicas(self, grads):
         """The program sees the whole global batch: its gradients are already global."""
         return grads
 

@@ -92,7 +92,7 @@ class Primitives(step_context.Primitives):
     def __init__(self, whole=False):
         self.whole = whole  # Every replica sees the whole batch (`eval_whole`).
 
-    def value_and_grad(self, context, fn, variables, tensors):
+    def value_and_grad(self, context, fn, variables, tensors, scale):
         """Differentiates `fn(*tensors)` on a tape. Outside a replica (the building
         run, under the strategy's scope) a distributed variable cannot be
         differentiated, so the variables are read as watched copies there, and
@@ -111,17 +111,17 @@ class Primitives(step_context.Primitives):
                 if watched.dtype.is_floating:
                     tape.watch(watched)
             value = fn(*tensors)
-            loss = loss_of(value)
+            loss = loss_of(value, scale)
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in tape.gradient(loss, sources + list(tensors))]
         return value, grads[:len(sources)], grads[len(sources):]
 
-    def mean_over_replicas(self, grads):
-        context = tf.distribute.get_replica_context()
-        if context is None or context.num_replicas_in_sync == 1:
+    def sum_over_replicas(self, grads):
+        if self.replicas_sharing() == 1:
             return grads
+        context = tf.distribute.get_replica_context()
         present = [i for i, g in enumerate(grads) if g is not None]
-        reduced = context.all_reduce(tf.distribute.ReduceOp.MEAN, [grads[i] for i in present])
+        reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, [grads[i] for i in present])
         out = list(grads)
         for i, g in zip(present, reduced):
             out[i] = g

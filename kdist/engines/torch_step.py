@@ -20,7 +20,7 @@ class Primitives(step_context.Primitives):
         self.engine = engine
         self.whole = whole  # Every process sees the whole batch (`eval_whole`).
 
-    def value_and_grad(self, context, fn, variables, tensors):
+    def value_and_grad(self, context, fn, variables, tensors, scale):
         """Differentiates `fn(*tensors)` with autograd; inside another
         `value_and_grad`'s loss, keeps the graph so that loss can be
         differentiated through this gradient (a gradient penalty). A
@@ -36,7 +36,7 @@ class Primitives(step_context.Primitives):
                 source.requires_grad_(True)
             with torch.enable_grad():
                 value = fn(*leaves)
-                loss = loss_of(value)
+                loss = loss_of(value, scale)
                 # A loss that reads nothing differentiated (its forward pass ran before):
                 # no gradient, as TensorFlow's and JAX's give (`kdist.value_and_grad` says).
                 grads = (torch.autograd.grad(loss, sources + leaves, allow_unused=True,
@@ -47,14 +47,12 @@ class Primitives(step_context.Primitives):
                 source.requires_grad_(False)
         return value, list(grads[:len(sources)]), list(grads[len(sources):])
 
-    def mean_over_replicas(self, grads):
-        present = [i for i, g in enumerate(grads) if g is not None]
+    def sum_over_replicas(self, grads):
+        if self.whole or self.engine.num_replicas == 1:
+            return grads
         with torch.no_grad():
-            summed = self.engine._all_reduce_sum([grads[i] for i in present])
-        out = list(grads)
-        for i, g in zip(present, summed):
-            out[i] = g / self.engine.num_replicas if self.engine.num_replicas > 1 else g
-        return out
+            summed = iter(self.engine._all_reduce_sum([g for g in grads if g is not None]))
+        return [None if g is None else next(summed) for g in grads]
 
     def replicas_sharing(self):
         return 1 if self.whole else self.engine.num_replicas

@@ -8,11 +8,15 @@ Inside a `train_step` (or `test_step`) that kdist runs, with `keras.ops` only:
 The scaling rule: gradients with respect to variables are averaged over
 every replica of every worker. A step computes its losses on the batch its
 replica sees, as on one device; for a loss that is a mean over that batch
-(Keras' losses, `keras.ops.mean`), the average over replicas of equal
+(Keras' losses, `keras.ops.mean`), the average over R replicas of equal
 batches is the gradient one device computes on the whole global batch.
-Gradients with respect to tensors of the step (an input, for a gradient
-penalty) are each replica's own, one per example, and can be nested inside
-the loss of an outer `value_and_grad`.
+Each replica differentiates its loss divided by R, and the replicas' gradients
+are summed: so what a gradient passes through inside the loss (the upstream
+gradient a `keras.ops.custom_gradient` clips, the gradient of an input
+differentiated with the variables) is one device's too. Gradients with
+respect to tensors alone (an input, for a gradient penalty) are each
+replica's own, one per example, and can be nested inside the loss of an
+outer `value_and_grad`.
 """
 
 from typing import Any
@@ -55,12 +59,22 @@ def value_and_grad(fn: Any, wrt: Any) -> tuple[Any, Any]:
         raise UsageError("kdist.value_and_grad with respect to variables inside the loss of "
                          "another value_and_grad; nest gradients with respect to tensors "
                          "only (a gradient penalty's input)")
+    if variables and context.control_flow:
+        context.refusal = UsageError(
+            "kdist.value_and_grad with respect to variables inside keras.ops.cond (or "
+            "another control-flow op): their gradients are summed over the replicas, which "
+            "TensorFlow's strategies cannot do from a branch or loop; take them at the "
+            "step's top level and choose with them there, e.g. keras.ops.where (gradients "
+            "with respect to tensors alone work inside)")
+        raise context.refusal
     own_rows = not variables  # Each example's gradient is its own.
+    # The replicas' sum of their shares' gradients is one device's (the module's rule).
+    shares = 1 if own_rows or context.dry else context.primitives.replicas_sharing()
     context.depth += 1
     context.own_rows += own_rows
     try:
         value, var_grads, tensor_grads = context.primitives.value_and_grad(
-            context, fn, variables, tensors)
+            context, fn, variables, tensors, 1 / shares)
     finally:
         context.depth -= 1
         context.own_rows -= own_rows
@@ -77,7 +91,7 @@ def value_and_grad(fn: Any, wrt: Any) -> tuple[Any, Any]:
                                     if g is not None and getattr(v, "overwrite_with_gradient",
                                                                  False)})
     if variables and not context.dry:
-        var_grads = context.primitives.mean_over_replicas(var_grads)
+        var_grads = context.primitives.sum_over_replicas(var_grads)
     var_iter, tensor_iter = iter(var_grads), iter(tensor_grads)
     grads = [next(var_iter) if var else next(tensor_iter) for var in is_variable]
     if isinstance(wrt, (list, tuple)):

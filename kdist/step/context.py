@@ -48,13 +48,16 @@ class Primitives(Protocol):
     (TensorFlow, torch: Keras' optimizers there update the variables' own tensors)."""
 
     def value_and_grad(self, context: "StepContext", fn: Any, variables: list,
-                       tensors: list, /) -> tuple[Any, list, list]:
+                       tensors: list, scale: float, /) -> tuple[Any, list, list]:
         """(fn's value, gradients for `variables`, gradients for `tensors`) of the
-        loss `fn(*tensors)` returns; None for a variable the loss does not read.
-        The gradients are this program's own: `kdist.step.api` averages them."""
+        loss `fn(*tensors)` returns, times `scale` (`loss_of`); None for a
+        variable the loss does not read. The gradients are this program's own:
+        `kdist.step.api` sums them over replicas."""
 
-    def mean_over_replicas(self, grads: list, /) -> list:
-        """Gradients averaged over every replica of every worker (None stays None)."""
+    def sum_over_replicas(self, grads: list, /) -> list:
+        """Gradients summed over the replicas that share the step's batch
+        (`replicas_sharing`), of every worker; as they are where this program
+        sees the whole batch. None stays None."""
 
     def replicas_sharing(self) -> int:
         """How many replicas each hold an equal, disjoint share of the step's batch:
@@ -245,9 +248,9 @@ def propagate(parent, child, skip=frozenset(), values=None):
     parent.losses.extend(child.losses)
 
 
-def loss_of(value):
-    """The loss in what a differentiated function returns: the value itself, or the
-    first item of a tuple or list."""
+def loss_of(value, scale=1.0):
+    """The loss in what a differentiated function returns, the value itself or the
+    first item of a tuple or list, times `scale`."""
     loss = value[0] if isinstance(value, (tuple, list)) else value
     if len(keras.ops.shape(loss)) != 0:
         raise UsageError(f"the function given to kdist.value_and_grad or kdist.grad returns "
@@ -255,4 +258,4 @@ def loss_of(value):
                          "a tuple whose first item is one: keras.ops.sum of it is what "
                          "tf.GradientTape differentiates for such a target (a gradient "
                          "penalty's), keras.ops.mean a loss's mean")
-    return loss
+    return loss if scale == 1 else loss * scale
