@@ -272,6 +272,70 @@ def test_a_step_that_breaks_a_rule_is_one_clear_error(tmp_path, model_class, mes
     assert current_path() == ""
 
 
+class _FrameworkLayer(keras.Model):
+    """An own step through Keras' layer for the backend's own code: `JaxLayer` (a
+    function of `jax.numpy`) on JAX, `TorchModuleWrapper` (a module calling
+    `torch.tanh`) on torch."""
+
+    def __init__(self):
+        super().__init__()
+        kernel = np.random.default_rng(1).normal(size=(4, 6)).astype(np.float32) * 0.5
+        if keras.backend.backend() == "jax":
+            import jax.numpy as jnp
+
+            self.hidden = keras.layers.JaxLayer(
+                call_fn=lambda params, inputs: jnp.tanh(inputs @ params["kernel"]),
+                init_fn=lambda rng, inputs: {"kernel": jnp.asarray(kernel)})
+        else:
+            import torch
+
+            class Tanh(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.kernel = torch.nn.Parameter(torch.tensor(kernel))
+
+                def forward(self, inputs):
+                    return torch.tanh(inputs @ self.kernel)
+
+            self.hidden = keras.layers.TorchModuleWrapper(Tanh())
+        self.hidden.build((None, 4))
+        self.out = keras.layers.Dense(2)
+        self.out.build((None, 6))
+        self.sgd = keras.optimizers.SGD(0.5)
+
+    def train_step(self, data):
+        x, y = data
+        loss, grads = kdist.value_and_grad(lambda: keras.ops.mean(
+            keras.losses.sparse_categorical_crossentropy(y, self.out(self.hidden(x)),
+                                                         from_logits=True)),
+            self.trainable_variables)
+        self.sgd.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+@pytest.mark.skipif(keras.backend.backend() == "tensorflow",
+                    reason="Keras' layers for a framework's code: JAX's and torch's")
+def test_keras_layers_for_the_backends_own_code_train_in_a_step_of_your_own(tmp_path):
+    """Its framework calls were refused as the step's ("the train_step calls
+    jax._src.pjit...; write a step with keras, keras.ops ..."), though `fit` trains it."""
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = kdist.Dataset(x, (x[:, 0] > 0).astype(np.int32), x[:16], np.zeros(16, np.int32),
+                         "toy")
+    ends = []
+    for replicas in (1, 2):  # On torch, 2 processes.
+        run = kdist.train_and_evaluate(
+            kdist.TrainConfig(epochs=2, batch_size_per_replica=16 // replicas,
+                              replicas=replicas, seed=0, progress=False,
+                              checkpoint_dir=str(tmp_path / str(replicas))),
+            data, model_fn=_FrameworkLayer, log=lambda line: None)
+        ends.append((run.history["loss"], run.model.get_weights()))
+    (loss_1, weights_1), (loss_2, weights_2) = ends
+    assert loss_1[1] < loss_1[0]
+    np.testing.assert_allclose(loss_2, loss_1, rtol=1e-5)
+    for one, two in zip(weights_1, weights_2, strict=True):
+        np.testing.assert_allclose(two, one, rtol=1e-5, atol=1e-6)
+
+
 def test_the_primitives_outside_a_kdist_step_say_where_they_work():
     with pytest.raises(UsageError, match="inside a train_step or test_step that kdist runs"):
         kdist.random.normal((2, 3))

@@ -10,7 +10,9 @@ layers) makes into
 TensorFlow, JAX or torch, with the file and line it comes from. Only calls
 it writes count, a framework's class it makes (`tf.GradientTape()`) too: not
 the operators (`a + b` runs the framework's own addition), attributes or
-other special methods (`__getattr__` of a torch module).
+other special methods (`__getattr__` of a torch module), nor what Keras'
+layers for one framework's code run (`keras.layers.JaxLayer` and `FlaxLayer`
+on JAX, `TorchModuleWrapper` on torch: written for that backend alone).
 The real steps run unwatched.
 """
 
@@ -26,6 +28,8 @@ FRAMEWORKS = ("tensorflow", "jax", "jaxlib", "torch")
 _NOT_YOURS = FRAMEWORKS + ("keras", "kdist", "numpy", "ml_dtypes", "optree", "absl")
 # An installed library's code (SciPy, einops): what it calls in a framework is its own doing.
 _INSTALLED = re.compile(r"[/\\](site|dist)-packages[/\\]")
+# Keras' layers that run one framework's code of yours (JaxLayer, FlaxLayer, TorchModuleWrapper).
+_WRAPPER_LAYERS = re.compile(r"keras[/\\]src[/\\]utils[/\\](jax_layer|torch_utils)\.py$")
 
 
 @contextlib.contextmanager
@@ -80,6 +84,8 @@ def watching():
             name = getattr(frame.f_code, "co_qualname", name).removesuffix(".__init__")
         if name.startswith("__") or id(caller) in in_builtin or not called(caller):
             return  # A special method, an operator, or a builtin's doing.
+        if _in_wrapper_layer(caller):
+            return
         function = (_wrapped(frame) if event == "call" else None) or f"{callee}.{name}"
         found.append((function, caller.f_code.co_filename, caller.f_lineno))
 
@@ -89,6 +95,15 @@ def watching():
         yield found
     finally:
         sys.setprofile(previous)
+
+
+def _in_wrapper_layer(frame):
+    """Whether `frame` runs inside one of Keras' layers for a framework's code."""
+    while frame is not None:
+        if _WRAPPER_LAYERS.search(frame.f_code.co_filename):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _wrapped(frame):
