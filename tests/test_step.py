@@ -216,6 +216,42 @@ def test_a_step_whose_updates_kdist_cannot_keep_is_refused(kind, refused):
         assert [id(o) for o in program.optimizers] == [id(model.own)]
 
 
+class InputGradientNorms(keras.Model):
+    """A penalty on each example's input-gradient norm, taken in `vectorized_map`."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+        self.dense.build((None, 3))
+        self.sgd = keras.optimizers.SGD(0.1)
+
+    def train_step(self, data):
+        x, y = data
+
+        def loss_fn():
+            norms = ops.vectorized_map(lambda row: ops.sum(ops.square(kdist.grad(
+                lambda r: ops.sum(self.dense(r[None])), row))), x)
+            return ops.mean(norms) + ops.mean(ops.square(self.dense(x) - y))
+
+        loss, grads = kdist.value_and_grad(loss_fn, self.dense.trainable_variables)
+        self.sgd.apply(grads, self.dense.trainable_variables)
+        return {"loss": loss}
+
+
+def test_gradients_inside_vectorized_map_build_or_are_one_line_on_torch():
+    """torch's autograd raised its own RuntimeError from inside its vmap."""
+    program = Program(InputGradientNorms())
+    sample = (np.ones((2, 3), np.float32), np.zeros((2, 2), np.float32), None)
+    engine = engines.create_engine(1, distributed=False)
+    if keras.backend.backend() == "torch":
+        with pytest.raises(kdist.UsageError, match=(
+                r"^kdist.value_and_grad inside keras.ops.vectorized_map: torch's autograd "
+                r"cannot differentiate inside its vmap; .* kdist.grad\(lambda x: ops.sum")):
+            program.build(engine, sample)
+    else:
+        program.build(engine, sample)
+
+
 def test_an_uncompiled_model_is_a_clear_error():
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(Exception, match="model is not compiled"):

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from kdist.engines import contract
+from kdist.errors import UsageError
 from kdist.step import context as step_context
 from kdist.step.context import current_scope, loss_of
 
@@ -26,6 +27,12 @@ class Primitives(step_context.Primitives):
         differentiated through this gradient (a gradient penalty). A
         non-trainable variable's parameter records its graph while `fn` runs,
         as TensorFlow's and JAX's gradients reach such variables too."""
+        if torch._C._functorch.maybe_current_level() is not None:
+            raise UsageError(
+                "kdist.value_and_grad inside keras.ops.vectorized_map: torch's autograd "
+                "cannot differentiate inside its vmap; take each example's gradient by "
+                "differentiating a sum over the batch with respect to its tensor (each "
+                "example's gradient is its own: kdist.grad(lambda x: ops.sum(f(x)), x))")
         scope = current_scope()
         sources = [scope.get_current_value(v) for v in variables]  # Their parameters.
         frozen = [s for s in sources
