@@ -41,6 +41,11 @@ def prepare(dataset, splits=("train", "test")):
     if not isinstance(dataset, base.Inputs):
         raise UsageError(f"the data is a {type(dataset).__name__}; pass a kdist.Dataset "
                          "(NumPy arrays) or kdist.Inputs(train=..., test=...)")
+    if dataset.test is dataset.train and type(dataset.train).__module__.startswith("tensorflow"):
+        raise UsageError(
+            "the train and test data are one tf.data pipeline: each evaluation's pass moves "
+            "its reshuffling, so a resumed run would not replay the order trained; pass the "
+            "test data as a pipeline of its own (the same code run again)")
     sources = {}
     for split in ("train", "test"):
         given = getattr(dataset, split)

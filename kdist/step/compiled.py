@@ -208,8 +208,11 @@ def build_as_fit(model, x):
 def _symbolic_call(model, x):
     """`model`'s output spec for inputs shaped as `x`, by a symbolic call; None
     where it cannot be called so."""
-    spec = tree.map_arrays(
-        lambda a: keras.KerasTensor(a.shape, keras.backend.standardize_dtype(a.dtype)), x)
+    def symbolic(a):  # NumPy's strings (TensorFlow's, read) are Keras' "string".
+        dtype = "string" if a.dtype.kind in "OSU" else keras.backend.standardize_dtype(a.dtype)
+        return keras.KerasTensor(a.shape, dtype)
+
+    spec = tree.map_arrays(symbolic, x)
     scopes = global_state.get_global_attribute("name_scope_stack", default=[],
                                                set_to_default=True)
     entered = list(scopes)
