@@ -21,6 +21,7 @@ from helpers import children, prepare, two_processes
 from test_fit_parity import assert_close, counted_data, counted_losses, initial_weights, on_keras
 from test_training import checkpoint_arrays
 
+import kdist
 from kdist import checkpoints, engines, tree
 from kdist.engines import contract
 from kdist.errors import Interrupted, TrainingError, UsageError, WorkerLost
@@ -128,6 +129,13 @@ def test_a_process_group_of_the_wrong_size_is_refused():
 def test_unpicklable_inputs_are_one_clear_error():
     with pytest.raises(UsageError, match="cannot be"):
         replicas.run(2, one_step_and_evaluation, dict(dataset=(x for x in [])))
+    tf = pytest.importorskip("tensorflow")  # A tf.data pipeline: TensorFlow's message was all.
+    pipeline = tf.data.Dataset.from_tensor_slices(np.zeros((4, 2), np.float32)).batch(2)
+    with pytest.raises(UsageError, match=(
+            r"^on this backend each replica is a process, .* the test data is a tf.data "
+            r"pipeline, which cannot be; pass a function that makes it \(test=lambda: ")):
+        replicas.run(2, one_step_and_evaluation, dict(dataset=kdist.Inputs(
+            train=(np.zeros((4, 2)), np.zeros(4)), test=pipeline)))
 
 
 def _adamw_without_bias_decay():

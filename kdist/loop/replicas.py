@@ -126,8 +126,15 @@ def run(num_replicas, fn, kwargs, log=print, stop=None, connect_timeout=120.0):
 
 
 def _unpicklable(kwargs):
-    """The message for a callback whose attribute cannot be pickled, naming both
-    (an open file, a lock); None where the callbacks pickle."""
+    """The message for a tf.data pipeline among the inputs, or a callback whose
+    attribute cannot be pickled, naming both (an open file, a lock); None where
+    neither is."""
+    for split in ("train", "test"):
+        given = getattr(kwargs.get("dataset"), split, None)
+        if type(given).__module__.startswith("tensorflow"):
+            return (f"on this backend each replica is a process, which gets the data pickled; "
+                    f"the {split} data is a tf.data pipeline, which cannot be; pass a function "
+                    f"that makes it ({split}=lambda: make_pipeline()): each process calls it")
     for callback in kwargs.get("callbacks") or ():
         for name, value in vars(callback).items():
             try:
